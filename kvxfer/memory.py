@@ -1,0 +1,110 @@
+"""Buffer adapters: torch / cupy / numpy arrays (or a raw pointer) -> one neutral strided view.
+
+kvxfer never copies the caller's KV cache; it needs the address, shape, byte strides, dtype and device of each
+tensor, and the memory regions they span (what a transport registers). Views of one allocation (vLLM's CPU
+cache is per-layer views of one tensor) collapse into one region.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import LayoutError
+
+HOST = -1  # device id of host memory
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A strided array somewhere in memory. ``strides`` are in bytes; ``device`` is HOST or a CUDA ordinal."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    dtype: str
+    device: int = HOST
+    owner: object = field(default=None, repr=False, compare=False)
+
+    def span(self) -> tuple[int, int]:
+        """(first byte, one past the last byte) this view touches."""
+        if any(s < 0 for s in self.strides):
+            raise LayoutError("negative strides are not supported")
+        if 0 in self.shape:
+            return self.ptr, self.ptr
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+        return self.ptr, self.ptr + last + self.itemsize
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous range of registered memory."""
+
+    ptr: int
+    nbytes: int
+    device: int = HOST
+
+    @property
+    def mem_type(self) -> str:
+        return "DRAM" if self.device == HOST else "VRAM"
+
+
+def _c_strides(shape, itemsize):
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _from_interface(obj, iface: dict, device: int) -> TensorView:
+    dt = np.dtype(iface["typestr"])
+    shape = tuple(int(n) for n in iface["shape"])
+    strides = iface.get("strides")
+    strides = _c_strides(shape, dt.itemsize) if strides is None else tuple(int(s) for s in strides)
+    name = getattr(getattr(obj, "dtype", None), "name", None) or dt.name
+    return TensorView(int(iface["data"][0]), shape, strides, dt.itemsize, name, device, obj)
+
+
+def as_view(obj) -> TensorView:
+    """Describe a torch tensor, a cupy/numba CUDA array, a numpy array or a TensorView."""
+    if isinstance(obj, TensorView):
+        return obj
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "torch":
+        dev = obj.device
+        if dev.type not in ("cpu", "cuda"):
+            raise LayoutError(f"unsupported torch device {dev}")
+        size = obj.element_size()
+        return TensorView(
+            obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
+            str(obj.dtype).removeprefix("torch."), HOST if dev.type == "cpu" else (dev.index or 0), obj,
+        )
+    if hasattr(obj, "__cuda_array_interface__"):
+        dev = getattr(getattr(obj, "device", None), "id", 0)
+        return _from_interface(obj, obj.__cuda_array_interface__, int(dev))
+    if isinstance(obj, np.ndarray):
+        return _from_interface(obj, obj.__array_interface__, HOST)
+    raise LayoutError(f"cannot describe {type(obj).__name__} as KV memory (want torch, cupy or numpy)")
+
+
+def merge_regions(views: list[TensorView]) -> list[Region]:
+    """The minimal set of regions covering ``views``: overlapping or touching spans on one device merge."""
+    spans = sorted((v.device, *v.span()) for v in views)
+    out: list[list[int]] = []
+    for dev, lo, hi in spans:
+        if out and out[-1][0] == dev and lo <= out[-1][2]:
+            out[-1][2] = max(out[-1][2], hi)
+        else:
+            out.append([dev, lo, hi])
+    return [Region(lo, hi - lo, dev) for dev, lo, hi in out]
+
+
+def host_buffer(region: Region) -> memoryview:
+    """A writable byte view of host memory at ``region`` (the caller keeps the owner alive)."""
+    if region.device != HOST:
+        raise LayoutError("not host memory")
+    return memoryview((ctypes.c_ubyte * region.nbytes).from_address(region.ptr)).cast("B")

@@ -1,0 +1,44 @@
+"""Transports by name: ``"tcp"``, ``"nixl"``, and ``"auto"`` (nixl where it can run, else tcp)."""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+from ..errors import TransportError
+from .base import Host, Link, Peer, Transport
+
+_REGISTRY = {"tcp": "kvxfer.transports.tcp:TcpTransport", "nixl": "kvxfer.transports.nixl:NixlTransport"}
+
+__all__ = ["Host", "Link", "Peer", "Transport", "available", "get", "resolve"]
+
+
+def get(name: str) -> type[Transport]:
+    """The transport class registered under ``name``; ``TransportError`` if unknown or not installed."""
+    if name not in _REGISTRY:
+        raise TransportError(f"unknown transport {name!r}; choose from {sorted(_REGISTRY)} or 'auto'")
+    module, _, cls = _REGISTRY[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise TransportError(f"transport {name!r} is not available here: {e}") from None
+
+
+@lru_cache(maxsize=None)
+def _usable(name: str) -> bool:
+    try:
+        cls = get(name)
+    except TransportError:
+        return False
+    probe = getattr(cls, "usable", None)
+    return bool(probe()) if probe else True
+
+
+def available() -> list[str]:
+    """Transports that can run on this machine, best first."""
+    return [n for n in ("nixl", "tcp") if _usable(n)]
+
+
+def resolve(name: str) -> str:
+    """``"auto"`` -> the best available transport; any other name is returned as is."""
+    return available()[0] if name == "auto" else name

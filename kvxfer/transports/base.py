@@ -1,0 +1,100 @@
+"""The one interface every transport implements.
+
+A transport only moves bytes between registered memory; kvxfer's control protocol (``wire`` over a TCP
+control connection, driven by ``handles``) decides what may move, so every transport inherits the same
+admission, fencing, deadlines and cancellation. Five things make a transport: register memory at
+construction, ``local_meta`` for the handshake, ``connect`` to a peer after the handshake, and a ``Link``
+that can ``write`` (push) and ``read`` (pull).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+from ..layout import KVLayout
+from ..plan import Pairing
+
+
+@dataclass
+class Peer:
+    """What the handshake established about the other side."""
+
+    session: int
+    address: str                # the consumer's listening address
+    layout: KVLayout            # the peer's layout (remote addresses for one-sided transports)
+    pairing: Pairing            # side ``a`` is the producer's layout, side ``b`` the consumer's
+    meta: bytes                 # the peer's ``local_meta``
+    is_producer: bool           # whether *this* side is the producer
+    auth: str = ""
+
+
+class Host(Protocol):
+    """Callbacks into the handle that owns a transport: it checks every request against its ledger."""
+
+    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> object:
+        """Consumer: a peer wants to write blocks ``ids``; returns a ticket or raises a kvxfer error."""
+
+    def end_write(self, ticket: object, nbytes: int, error: Exception | None) -> None: ...
+
+    def begin_read(self, session: int, req: str, gen: int, ids: np.ndarray) -> object:
+        """Producer: a peer wants to read offered blocks ``ids``; returns a ticket or raises."""
+
+    def end_read(self, ticket: object, nbytes: int, error: Exception | None) -> None: ...
+
+    def landed(self, session: int, req: str, gen: int, nbytes: int) -> None:
+        """Consumer: a one-sided transport reports that ``nbytes`` of ``req`` arrived."""
+
+
+class Link(ABC):
+    """The data path to one peer. Both calls block until the bytes moved, the deadline passed, or ``cancel``."""
+
+    @abstractmethod
+    def write(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
+              deadline: float, cancel: threading.Event) -> int:
+        """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved."""
+
+    @abstractmethod
+    def read(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
+             deadline: float, cancel: threading.Event) -> int:
+        """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
+
+    def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+        """How many descriptors a transfer of these blocks costs after coalescing (for reports)."""
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class Transport(ABC):
+    """Registers one layout's memory and opens links to peers."""
+
+    name: ClassVar[str]
+    one_sided: ClassVar[bool] = False  # True when a receiver cannot stop a remote write in flight
+
+    def __init__(self, layout: KVLayout, host: Host, *, auth: str = "", **options):
+        self.layout = layout
+        self.host = host
+        self.auth = auth
+
+    def local_meta(self) -> bytes:
+        return b""
+
+    @abstractmethod
+    def connect(self, peer: Peer) -> Link:
+        """A link to ``peer``, called on both sides once the handshake succeeded."""
+
+    def accept_data(self, sock, hello) -> None:
+        """Consumer: a data connection of this transport arrived on the listening socket."""
+        sock.close()
+
+    def disconnect(self, session: int) -> None:
+        """Forget a peer whose control session ended."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,240 @@
+"""The control protocol: every message kvxfer puts on a wire, as tagged, versioned ``msgspec.Struct``s.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack. Frames above ``max_frame``
+are refused before a byte of their body is read, and decoding untrusted bytes raises nothing but
+``ProtocolError``. Block ids travel as packed little-endian uint32 (``ids_to_bytes``) so a 128k-token
+request costs one memcpy, not a million msgpack integers.
+
+Control flow (one TCP control connection per producer -> consumer pair; data moves on the transport):
+
+push   producer -> Admit(req, n)         consumer -> Grant(req, gen, ids) | Busy(req, retry_after)
+       producer moves the bytes into exactly ``ids``, then -> Done(req, gen, meta)
+       consumer -> Ack(req, gen)  once the bytes have landed (or Error)
+pull   producer -> Offer(req, gen, ids, lease)   consumer reads them into its own blocks
+       consumer -> Released(req, gen)            producer -> Ack(req, gen) if the lease still held, else Error
+either Cancel(req, gen) from either side; Error(req, code, message) on any failure
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from .errors import BlockError, ProtocolError
+
+VERSION = 1
+MAX_FRAME = 64 << 20
+_LEN = struct.Struct(">I")
+
+
+class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What two sides must agree on before a byte moves."""
+
+    version: int
+    dtype: str
+    block_size: int
+    num_layers: int
+    layer_bytes: int
+    block_bytes: int
+    order: str
+
+
+class RegionDesc(msgspec.Struct, array_like=True, frozen=True):
+    ptr: int
+    nbytes: int
+    device: int
+
+
+class LayoutDesc(msgspec.Struct, frozen=True):
+    num_blocks: int
+    regions: list[RegionDesc]
+    seg_region: list[int]
+    seg_offset: list[int]
+    seg_stride: list[int]
+    seg_bytes: list[int]
+    fingerprint: Fingerprint
+
+
+class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
+    pass
+
+
+class Hello(_Msg, tag="hello"):
+    """First frame on a control connection, producer -> consumer."""
+
+    version: int
+    peer_id: str
+    layout: LayoutDesc
+    transport: str
+    transport_meta: bytes = b""
+    auth: str = ""
+
+
+class Welcome(_Msg, tag="welcome"):
+    """The consumer's answer to ``Hello``: its own layout and transport metadata."""
+
+    version: int
+    peer_id: str
+    session: int
+    layout: LayoutDesc
+    transport: str
+    transport_meta: bytes = b""
+
+
+class Admit(_Msg, tag="admit"):
+    """Push: ask the consumer to grant ``num_blocks`` destination blocks for ``req``."""
+
+    req: str
+    num_blocks: int
+    deadline_ms: int
+    meta: dict[str, Any] = {}
+
+
+class Grant(_Msg, tag="grant"):
+    req: str
+    gen: int
+    ids: bytes
+
+
+class Busy(_Msg, tag="busy"):
+    req: str
+    retry_after_ms: int
+    reason: str = ""
+
+
+class Offer(_Msg, tag="offer"):
+    """Pull: the producer's blocks ``ids`` may be read until the lease runs out."""
+
+    req: str
+    gen: int
+    ids: bytes
+    lease_ms: int
+    meta: dict[str, Any] = {}
+    digests: bytes = b""
+
+
+class Done(_Msg, tag="done"):
+    """Push: the producer has moved every byte of ``req`` into the granted blocks."""
+
+    req: str
+    gen: int
+    nbytes: int
+    meta: dict[str, Any] = {}
+    digests: bytes = b""
+
+
+class Released(_Msg, tag="released"):
+    """Pull: the consumer has read ``req``; the producer may free its blocks."""
+
+    req: str
+    gen: int
+    nbytes: int
+
+
+class Ack(_Msg, tag="ack"):
+    """The other side agrees that ``req`` completed."""
+
+    req: str
+    gen: int
+
+
+class Cancel(_Msg, tag="cancel"):
+    req: str
+    gen: int
+    reason: str = ""
+
+
+class Error(_Msg, tag="error"):
+    req: str
+    code: str
+    message: str
+    gen: int = 0
+
+
+class DataHello(_Msg, tag="data_hello"):
+    """First frame of a transport data connection: which control session it belongs to."""
+
+    session: int
+    purpose: str = "push"  # "push": producer -> consumer writes; "pull": consumer reads served by the producer
+    auth: str = ""
+
+
+class WriteData(_Msg, tag="write_data"):
+    """Producer -> consumer data connection: ``length`` raw bytes follow, bytes [offset, offset+length) of
+    the byte stream of blocks ``ids`` (the consumer's own ids, checked against the grant)."""
+
+    req: str
+    gen: int
+    ids: bytes
+    offset: int
+    length: int
+
+
+class ReadData(_Msg, tag="read_data"):
+    """Consumer -> producer data connection: send bytes [offset, offset+length) of the producer's blocks
+    ``ids`` (checked against the offer); the producer answers ``DataReply`` then the bytes."""
+
+    req: str
+    gen: int
+    ids: bytes
+    offset: int
+    length: int
+
+
+class DataReply(_Msg, tag="data_reply"):
+    """Answer on a data connection: ``ok`` with ``length`` raw bytes following, or an error code."""
+
+    req: str
+    ok: bool
+    length: int = 0
+    code: str = ""
+    message: str = ""
+
+
+Message = Union[Hello, Welcome, Admit, Grant, Busy, Offer, Done, Released, Ack, Cancel, Error,
+                DataHello, WriteData, ReadData, DataReply]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    """One frame: length prefix and body."""
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header: bytes, max_frame: int = MAX_FRAME) -> int:
+    """The body length announced by a 4-byte header, refused if oversized or empty."""
+    if len(header) != 4:
+        raise ProtocolError("truncated frame header")
+    (n,) = _LEN.unpack(header)
+    if n == 0 or n > max_frame:
+        raise ProtocolError(f"frame of {n} bytes refused (limit {max_frame})")
+    return n
+
+
+def decode(body: bytes) -> _Msg:
+    """Decode one frame body; any defect is a ``ProtocolError``."""
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed message: {e}") from None
+
+
+def ids_to_bytes(ids) -> bytes:
+    a = np.asarray(ids)
+    if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
+        raise BlockError("block ids must fit in uint32")
+    return a.astype("<u4", copy=False).tobytes()
+
+
+def ids_from_bytes(b: bytes, limit: int | None = None) -> np.ndarray:
+    if len(b) % 4:
+        raise ProtocolError("block id list is not a whole number of uint32")
+    if limit is not None and len(b) // 4 > limit:
+        raise BlockError(f"{len(b) // 4} block ids exceed the {limit} blocks of the layout")
+    return np.frombuffer(b, dtype="<u4").astype(np.int64)
