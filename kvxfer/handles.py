@@ -437,6 +437,9 @@ class Producer(_Endpoint):
     def _move(self, s: _ProducerSession, t: Transfer) -> None:
         dst = t.dst_ids if t.override is None else t.override
         try:
+            if self.transport.one_sided and not np.array_equal(dst, t.dst_ids):
+                # RDMA gives the receiver no say over a remote write: the grant is enforced here
+                raise BlockError(f"request {t.req!r} would write blocks it was not granted")
             t.descriptors = s.link.descriptors(t.src_ids, dst)
             moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
         except KVXferError as e:

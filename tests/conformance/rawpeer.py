@@ -1,0 +1,50 @@
+"""A hand-driven protocol peer: speaks kvxfer's wire format over a plain socket, to send what a correct
+producer never would (bad versions, garbage, stale generations)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from kvxfer import wire
+from kvxfer.channel import Channel, parse_address
+
+
+class RawPeer:
+    def __init__(self, address: str, timeout: float = 5.0):
+        self.sock = socket.create_connection(parse_address(address), timeout=timeout)
+        self.ch = Channel(self.sock)
+        self.timeout = timeout
+
+    def send(self, msg) -> None:
+        self.ch.send(msg)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send_frame(self, body: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(body)) + body)
+
+    def recv(self):
+        return self.ch.recv(self.timeout)
+
+    def closed_by_peer(self) -> bool:
+        """Whether the other side closed the connection (EOF within the timeout)."""
+        self.sock.settimeout(self.timeout)
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except socket.timeout:
+            return False
+
+    def hello(self, layout, transport: str, *, version: int = wire.VERSION, auth: str = "", meta: bytes = b""):
+        self.send(wire.Hello(version=version, peer_id="raw", layout=layout.desc(), transport=transport,
+                             transport_meta=meta, auth=auth))
+        return self.recv()
+
+    def close(self) -> None:
+        self.ch.close()

@@ -1,0 +1,142 @@
+"""Bad input gets a clear, typed error; nothing is written outside granted blocks; the consumer survives."""
+
+import numpy as np
+import pytest
+
+from kvxfer import wire
+
+from .conftest import SENTINEL
+from .kvspec import Spec, untouched
+from .peers import PeerError
+from .rawpeer import RawPeer
+
+
+def _alive(consumer, producer, req="alive"):
+    """The consumer still serves a well-behaved producer after the abuse."""
+    producer.push(consumer.address, req, [0, 1])
+    arrival = consumer.get(10)
+    consumer.release(arrival.req)
+
+
+@pytest.mark.parametrize("ids,why", [([64], "out of range"), ([-1], "out of range"), ([3, 3], "duplicates"),
+                                     ([], "empty")])
+def test_bad_block_ids_are_refused_at_the_source(consumers, producers, ids, why):
+    consumer = consumers()
+    producer = producers()
+    with pytest.raises(PeerError) as e:
+        producer.push(consumer.address, "bad", ids)
+    assert e.value.kind == "BlockError" and why in str(e.value)
+    assert untouched(consumer.views, [], SENTINEL)
+
+
+def test_more_blocks_than_the_consumer_has_is_busy(consumers, producers):
+    consumer = consumers(Spec(num_blocks=64))
+    producer = producers(Spec(num_blocks=128))
+    with pytest.raises(PeerError) as e:
+        producer.push(consumer.address, "big", np.arange(65))
+    assert e.value.kind == "BusyError"
+    assert consumer.stats()["free_blocks"] == 64
+
+
+@pytest.mark.parametrize("other", [Spec(dtype="float32"), Spec(heads=4), Spec(kind="hnd"), Spec(layers=2),
+                                   Spec(block_size=8, head_dim=4)])
+def test_incompatible_layouts_are_refused(consumers, producers, other):
+    consumer = consumers(Spec())
+    producer = producers(other)
+    with pytest.raises(PeerError) as e:
+        producer.push(consumer.address, "x", [1])
+    assert e.value.kind == "IncompatibleError"
+    assert untouched(consumer.views, [], SENTINEL)
+
+
+def test_wrong_protocol_version(consumers, producers, transport):
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    reply = raw.hello(consumer.layout, transport, version=wire.VERSION + 1)
+    assert isinstance(reply, wire.Error) and reply.code == "incompatible"
+    assert raw.closed_by_peer()
+    _alive(consumer, producers())
+
+
+def test_wrong_auth(consumers, producers):
+    consumer = consumers(auth="s3cret")
+    with pytest.raises(PeerError) as e:
+        producers(auth="guess").push(consumer.address, "x", [1])
+    assert e.value.kind == "AuthError"
+    _alive(consumer, producers(auth="s3cret"))
+
+
+@pytest.mark.parametrize("garbage", [b"\xc1", b"\x81\xa1t\xa4nope", b"\x93\x01\x02\x03", b"\xff" * 64])
+def test_malformed_frames(consumers, producers, garbage):
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    raw.send_frame(garbage)
+    reply = raw.recv()
+    assert isinstance(reply, wire.Error) and reply.code == "protocol"
+    assert raw.closed_by_peer()
+    _alive(consumer, producers())
+
+
+def test_oversized_and_truncated_frames(consumers, producers):
+    consumer = consumers()
+    big = RawPeer(consumer.address)
+    big.send_bytes(b"\xff\xff\xff\xff")
+    reply = big.recv()
+    assert isinstance(reply, wire.Error) and reply.code == "protocol" and "refused" in reply.message
+    short = RawPeer(consumer.address)
+    short.send_bytes(b"\x00\x00\x00\x64" + b"\x80" * 10)
+    short.close()
+    empty = RawPeer(consumer.address)
+    empty.send_bytes(b"\x00\x00")
+    empty.close()
+    _alive(consumer, producers())
+
+
+def test_garbage_after_handshake_releases_the_session(consumers, producers, transport):
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(consumer.layout, transport), wire.Welcome)
+    raw.send(wire.Admit(req="held", num_blocks=5, deadline_ms=10_000))
+    assert isinstance(raw.recv(), wire.Grant)
+    assert consumer.stats()["free_blocks"] == 59
+    raw.send_frame(b"\x92\x01")
+    reply = raw.recv()
+    assert isinstance(reply, wire.Error) and reply.code == "protocol"
+    assert raw.closed_by_peer()
+    from .peers import wait_for
+
+    wait_for(lambda: consumer.stats()["free_blocks"] == 64, 5)
+    _alive(consumer, producers())
+
+
+def test_stale_generation_and_wrong_length_are_refused(consumers, transport):
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    raw.hello(consumer.layout, transport)
+    raw.send(wire.Admit(req="r", num_blocks=3, deadline_ms=10_000))
+    grant = raw.recv()
+    raw.send(wire.Done(req="r", gen=grant.gen + 1000, nbytes=3 * consumer.layout.block_bytes))
+    stale = raw.recv()
+    assert isinstance(stale, wire.Error) and stale.code == "stale"
+    raw.send(wire.Done(req="r", gen=grant.gen, nbytes=7))
+    short = raw.recv()
+    assert isinstance(short, wire.Error) and short.code == "blocks"
+    raw.send(wire.Done(req="nobody", gen=1, nbytes=7))
+    assert raw.recv().code == "stale"
+    raw.close()
+
+
+def test_writing_outside_the_grant_is_refused(consumers, producers):
+    consumer = consumers()
+    producer = producers()
+    # take blocks 0..9 first so the next grant is not what the producer will claim
+    producer.push(consumer.address, "first", np.arange(10))
+    held = consumer.get(10)
+    with pytest.raises(PeerError) as e:
+        producer.push(consumer.address, "sneaky", [20, 21], dst_block_ids=[0, 1])
+    assert e.value.kind == "BlockError"
+    assert untouched(consumer.views, held.block_ids, SENTINEL)
+    from .peers import wait_for
+
+    wait_for(lambda: consumer.stats()["inflight"] == 0, 5)
+    assert consumer.stats()["free_blocks"] == 64 - 10

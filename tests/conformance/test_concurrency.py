@@ -1,0 +1,79 @@
+"""Several producer processes and many requests in flight into one consumer: every byte still right."""
+
+import threading
+
+import numpy as np
+
+from kvxfer import Producer
+
+from .conftest import SENTINEL
+from .kvspec import Spec, block_bytes, untouched
+from .peers import wait_for
+
+SPEC = Spec(kind="nhd", num_blocks=512, layers=2, heads=2, block_size=4, head_dim=16)
+
+
+def test_several_producer_processes(consumers, producers):
+    consumer = consumers(SPEC)
+    procs = [producers(SPEC, seed=100 + i) for i in range(3)]
+    rng = np.random.default_rng(1)
+    plans = {}
+    for i, p in enumerate(procs):
+        for r in range(6):
+            ids = rng.permutation(SPEC.num_blocks)[: int(rng.integers(1, 24))]
+            req = f"p{i}-r{r}"
+            plans[req] = (i, ids)
+            (p.push if r % 2 else p.offer)(consumer.address, req, ids, wait=False)
+    arrivals = {}
+    while len(arrivals) < len(plans):
+        a = consumer.get(20)
+        arrivals[a.req] = a
+    sources = {i: SPEC.build(seed=100 + i)[2] for i in range(3)}
+    for req, (i, ids) in plans.items():
+        a = arrivals[req]
+        for s, d in zip(block_bytes(sources[i], ids), block_bytes(consumer.views, a.block_ids)):
+            np.testing.assert_array_equal(s, d)
+    held = np.concatenate([a.block_ids for a in arrivals.values()])
+    assert len(np.unique(held)) == len(held)
+    assert untouched(consumer.views, held, SENTINEL)
+    for req in plans:
+        assert consumer.release(req)
+    assert consumer.stats()["free_blocks"] == SPEC.num_blocks
+
+
+def test_many_requests_in_flight_from_threads(consumers, transport):
+    consumer = consumers(SPEC)
+    tensors, kw, views, _ = SPEC.build(seed=7)
+    producer = Producer(SPEC.layout(tensors, kw), transport=transport)
+    rng = np.random.default_rng(2)
+    jobs = {f"t{i}": rng.permutation(SPEC.num_blocks)[:8] for i in range(48)}
+    transfers = {}
+    lock = threading.Lock()
+
+    def submit(names):
+        for name in names:
+            mode = producer.push if int(name[1:]) % 3 else producer.offer
+            t = mode(consumer.address, name, jobs[name])
+            with lock:
+                transfers[name] = t
+
+    names = sorted(jobs)
+    threads = [threading.Thread(target=submit, args=(names[k::4],)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    try:
+        for t in transfers.values():
+            t.wait(30)
+        got = {}
+        while len(got) < len(jobs):
+            a = consumer.get(10)
+            got[a.req] = a
+        for name, ids in jobs.items():
+            for s, d in zip(block_bytes(views, ids), block_bytes(consumer.views, got[name].block_ids)):
+                np.testing.assert_array_equal(s, d)
+            consumer.release(name)
+        wait_for(lambda: consumer.stats()["free_blocks"] == SPEC.num_blocks, 5)
+    finally:
+        producer.close()

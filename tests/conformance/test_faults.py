@@ -1,0 +1,192 @@
+"""Faults end in a typed error within the deadline, never a hang, and leak no block, grant or lease."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer import (BusyError, CancelledError, LeaseExpiredError, PeerError, Producer, Status, TimeoutError,
+                    TransportError)
+
+from .kvspec import Spec
+from .peers import PeerError as RemoteError
+from .peers import wait_for
+
+BIG = Spec(kind="nhd", num_blocks=256, layers=4, heads=8, block_size=16, head_dim=128, dtype="float16")  # 128 MiB
+
+
+def _settled(consumer, free: int) -> bool:
+    s = consumer.stats()
+    return s["free_blocks"] == free and s["inflight"] == 0 and s["dying"] == 0
+
+
+def _local_producer(spec, transport, **options):
+    tensors, kw, views, raw = spec.build(seed=1)
+    return Producer(spec.layout(tensors, kw), transport=transport, **options), raw
+
+
+def test_producer_killed_mid_transfer(consumers, producers):
+    consumer = consumers(BIG)
+    producer = producers(BIG)
+    producer.push(consumer.address, "doomed", np.arange(200), wait=False)
+    wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
+    producer.kill()
+    wait_for(lambda: _settled(consumer, 256), 10)
+    assert consumer.arrivals.empty()
+    assert consumer.stats()["failed"] == 1
+
+
+def test_consumer_killed_mid_transfer(remote_consumers, transport):
+    consumer = remote_consumers(BIG)
+    producer, _ = _local_producer(BIG, transport, deadline=20)
+    try:
+        t = producer.push(consumer.address, "orphan", np.arange(256))
+        wait_for(lambda: t.status in (Status.MOVING, Status.COMMITTING) or t.done(), 10, 0.001)
+        consumer.stop()
+        consumer.kill()
+        start = time.monotonic()
+        with pytest.raises((PeerError, TimeoutError, TransportError)):
+            t.wait()
+        assert time.monotonic() - start < 20
+        assert t.status is Status.FAILED
+        assert not any(s.transfers for s in producer._sessions.values())
+    finally:
+        producer.close()
+
+
+def test_consumer_stopped_hits_the_deadline(remote_consumers, transport):
+    consumer = remote_consumers(BIG)
+    producer, _ = _local_producer(BIG, transport)
+    try:
+        producer.push(consumer.address, "warm", [0]).wait(10)
+        consumer.stop()
+        start = time.monotonic()
+        t = producer.push(consumer.address, "stuck", np.arange(1, 256), deadline=1.0)
+        with pytest.raises(TimeoutError):
+            t.wait()
+        assert time.monotonic() - start < 3.0
+        assert not any(s.transfers for s in producer._sessions.values())
+    finally:
+        consumer.cont()
+        producer.close()
+
+
+def test_producer_stopped_hits_the_consumer_deadline(consumers, producers):
+    consumer = consumers(BIG, deadline=1.0)
+    producer = producers(BIG)
+    producer.push(consumer.address, "warm", [0])
+    consumer.release(consumer.get(10).req)
+    import os
+    import signal
+
+    producer.push(consumer.address, "frozen", np.arange(256), wait=False)
+    wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
+    os.kill(producer.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _settled(consumer, 256), 10)
+        assert consumer.stats()["failed"] >= 1
+    finally:
+        os.kill(producer.pid, signal.SIGCONT)
+
+
+def test_producer_cancels(consumers, transport):
+    consumer = consumers(BIG)
+    producer, _ = _local_producer(BIG, transport)
+    try:
+        t = producer.push(consumer.address, "c", np.arange(256))
+        wait_for(lambda: t.status is not Status.PENDING, 10, 0.0005)
+        t.cancel("changed my mind")
+        assert t.status is Status.CANCELLED
+        with pytest.raises(CancelledError):
+            t.wait(5)
+        wait_for(lambda: _settled(consumer, 256), 10)
+        # the same request id is refused while its tombstone lasts
+        with pytest.raises(CancelledError):
+            producer.push(consumer.address, "c", [1]).wait(5)
+        producer.push(consumer.address, "c2", [1]).wait(5)
+    finally:
+        producer.close()
+
+
+def test_consumer_cancels(consumers, transport):
+    consumer = consumers(BIG)
+    producer, _ = _local_producer(BIG, transport)
+    try:
+        t = producer.push(consumer.address, "victim", np.arange(256))
+        wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.0005)
+        consumer.cancel("victim", "decode node draining")
+        with pytest.raises((CancelledError, PeerError)):
+            t.wait(10)
+        wait_for(lambda: _settled(consumer, 256), 10)
+    finally:
+        producer.close()
+
+
+def test_lease_expires(remote_consumers, transport):
+    consumer = remote_consumers(Spec())
+    producer, _ = _local_producer(Spec(), transport)
+    try:
+        producer.push(consumer.address, "warm", [0]).wait(10)
+        consumer.stop()
+        t = producer.offer(consumer.address, "lease", [1, 2, 3], lease=0.5)
+        start = time.monotonic()
+        with pytest.raises(LeaseExpiredError):
+            t.wait()
+        assert time.monotonic() - start < 2.0
+        assert not producer.leases.active
+    finally:
+        consumer.cont()
+        producer.close()
+
+
+def test_busy_then_retry(consumers, producers):
+    consumer = consumers(Spec(num_blocks=64))
+    producer = producers(Spec(num_blocks=64))
+    producer.push(consumer.address, "a", np.arange(40))
+    first = consumer.get(10)
+    with pytest.raises(RemoteError) as e:
+        producer.push(consumer.address, "b", np.arange(40))
+    assert e.value.kind == "BusyError"
+    consumer.release(first.req)
+    producer.push(consumer.address, "b", np.arange(40))
+    consumer.release(consumer.get(10).req)
+    assert _settled(consumer, 64)
+
+
+def test_busy_carries_retry_after(consumers, transport):
+    consumer = consumers(Spec(num_blocks=8), retry_after=0.25)
+    producer, _ = _local_producer(Spec(num_blocks=8), transport)
+    try:
+        with pytest.raises(BusyError) as e:
+            producer.push(consumer.address, "x", np.arange(8)).wait(5)
+            producer.push(consumer.address, "y", np.arange(8)).wait(5)
+        assert e.value.retry_after == pytest.approx(0.25, abs=0.01)
+    finally:
+        producer.close()
+
+
+def test_pull_bytes_stay_put_when_the_lease_is_cancelled(consumers, transport):
+    consumer = consumers(BIG)
+    producer, _ = _local_producer(BIG, transport)
+    try:
+        t = producer.offer(consumer.address, "gone", np.arange(256), lease=10)
+        t.cancel()
+        wait_for(lambda: _settled(consumer, 256) or consumer.stats()["handed"] == 1, 10)
+        s = consumer.stats()
+        if s["handed"]:  # the read finished before the cancel arrived: the producer refused it
+            pytest.fail("a cancelled offer must not be handed to the runtime")
+        assert not producer.leases.active
+    finally:
+        producer.close()
+
+
+def test_close_ends_everything(consumers, transport):
+    consumer = consumers(BIG)
+    producer, _ = _local_producer(BIG, transport)
+    t = producer.push(consumer.address, "late", np.arange(256))
+    producer.close()
+    with pytest.raises(Exception):
+        t.wait(5)
+    assert t.done()
+    wait_for(lambda: _settled(consumer, 256), 10)
+    assert consumer.arrivals.empty()
