@@ -9,7 +9,7 @@
 
 from .allocator import Allocator, FreeList
 from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, IncompatibleError,
-                     KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
+                     IntegrityError, KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
                      TimeoutError, TransportError)
 from .handles import Arrival, Consumer, Producer, Status, Transfer
 from .layout import KVLayout
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Allocator", "Arrival", "AuthError", "BlockError", "BusyError", "CancelledError", "ClosedError", "Consumer",
-    "FreeList", "IncompatibleError", "KVLayout", "KVXferError", "LayoutError", "LeaseExpiredError", "PeerError",
+    "FreeList", "IncompatibleError", "IntegrityError", "KVLayout", "KVXferError", "LayoutError", "LeaseExpiredError", "PeerError",
     "Producer", "ProtocolError", "StaleError", "Status", "TimeoutError", "Transfer", "TransportError",
     "available_transports",
 ]

@@ -90,6 +90,12 @@ class TransportError(KVXferError):
     code = "transport"
 
 
+class IntegrityError(KVXferError):
+    """Blocks arrived whose digests differ from the producer's."""
+
+    code = "integrity"
+
+
 class ClosedError(KVXferError):
     """The handle was closed."""
 
@@ -101,6 +107,7 @@ _BY_CODE = {
     for cls in (
         KVXferError, LayoutError, IncompatibleError, ProtocolError, AuthError, BlockError, BusyError,
         StaleError, CancelledError, TimeoutError, LeaseExpiredError, PeerError, TransportError, ClosedError,
+        IntegrityError,
     )
 }
 

@@ -25,11 +25,12 @@ from typing import Any, Callable
 import numpy as np
 
 from . import transports, wire
+from .digest import block_digests, mismatches
 from .admission import Grants, Leases, Slot
 from .allocator import Allocator, FreeList
 from .channel import Channel, connect, parse_address
 from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, IncompatibleError,
-                     KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
+                     IntegrityError, KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
                      TimeoutError, from_code)
 from .layout import KVLayout, check_compatible
 from .plan import check_ids, pair
@@ -67,6 +68,7 @@ class Transfer:
         self.descriptors = 0
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
+        self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self.cancel_event = threading.Event()
         self._ended = threading.Event()
@@ -331,14 +333,16 @@ class Producer(_Endpoint):
         return s
 
     def push(self, address: str, req: str, block_ids, *, meta: dict | None = None,
-             deadline: float | None = None, dst_block_ids=None) -> Transfer:
+             deadline: float | None = None, digests: bool = False, dst_block_ids=None) -> Transfer:
         """Ask ``address`` to admit ``len(block_ids)`` blocks and write these blocks into its grant.
 
         Returns at once; the transfer goes on in the background. ``dst_block_ids`` (a test hook for the
         protocol's fencing) overrides the granted destination, which the consumer must refuse unless equal.
+        ``digests`` sends a CRC per block for the consumer to check (host memory; for tests and debugging).
         """
         t = self._start("push", address, req, block_ids, deadline)
         t.meta = dict(meta or {})
+        t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         try:
             s = self._enroll(t)
@@ -349,7 +353,7 @@ class Producer(_Endpoint):
         return t
 
     def offer(self, address: str, req: str, block_ids, *, meta: dict | None = None,
-              lease: float | None = None) -> Transfer:
+              lease: float | None = None, digests: bool = False) -> Transfer:
         """Offer blocks for ``address`` to pull; the transfer ends when the consumer released them (the
         producer may then free them) or when the lease runs out (``LeaseExpiredError``)."""
         seconds = self.lease if lease is None else lease
@@ -360,7 +364,8 @@ class Producer(_Endpoint):
                 item = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic())
                 t.gen = item.gen
             s.send(wire.Offer(req=t.req, gen=t.gen, ids=wire.ids_to_bytes(t.src_ids), lease_ms=_ms(seconds),
-                              meta=dict(meta or {})))
+                              meta=dict(meta or {}),
+                              digests=block_digests(self.layout, t.src_ids) if digests else b""))
         except KVXferError as e:
             self._end(t, e)
         return t
@@ -449,7 +454,7 @@ class Producer(_Endpoint):
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
-        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta))
+        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=t.digests))
 
     def _released(self, s: _ProducerSession, t: Transfer, msg: wire.Released) -> None:
         now = time.monotonic()
@@ -722,6 +727,20 @@ class Consumer(_Endpoint):
     def _deliver(self, slot: Slot, kind: str) -> None:
         with self._lock:
             s = self._sessions.get(slot.peer)
+        if slot.digests and kind == "push":
+            bad = mismatches(self.layout, slot.ids, slot.digests)
+            if bad:
+                err = IntegrityError(f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from "
+                                     f"the producer's digests (first at position {bad[0]})")
+                log.error("kvxfer %s", err)
+                with self._lock:
+                    if self.grants.handed.pop(slot.req, None) is slot:
+                        self.allocator.free(slot.ids)
+                    self.counters["failed"] += 1
+                if s is not None:
+                    s.send(wire.Error(req=slot.req, gen=self._remote_gen(s, slot), code=err.code, message=str(err)))
+                return
+        with self._lock:
             self.counters["completed"] += 1
             self.counters["bytes"] += slot.nbytes
         arrival = Arrival(slot.req, slot.ids, slot.meta, slot.nbytes, slot.gen,
@@ -785,6 +804,12 @@ class Consumer(_Endpoint):
         except Exception as e:  # noqa: BLE001
             self._pull_failed(s, slot, gen, PeerError(f"read failed: {e!r}"))
             return
+        if slot.digests:
+            bad = mismatches(self.layout, slot.ids, slot.digests)
+            if bad:
+                self._pull_failed(s, slot, gen, IntegrityError(
+                    f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} pulled blocks differ from the digests"))
+                return
         slot.landed = moved
         if not s.send(wire.Released(req=slot.req, gen=gen, nbytes=moved)):
             self._pull_failed(s, slot, gen, PeerError("producer gone before release"))

@@ -91,3 +91,15 @@ def test_metadata_passes_through(consumers, producers):
     meta = {"first_token": 42, "sampling": {"temperature": 0.5}, "tokens": 17}
     producer.push(consumer.address, "m", [1, 2], meta=meta)
     assert consumer.get(10).meta == meta
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_integrity_digests_roundtrip(consumers, producers, mode):
+    spec = Spec(kind="kv_separate")
+    consumer = consumers(spec)
+    producer = producers(spec, seed=4)
+    ids = [9, 8, 7, 30]
+    getattr(producer, mode)(consumer.address, "d", ids, digests=True)
+    arrival = consumer.get(10)
+    assert len(arrival.digests) == 4 * len(ids)
+    _check(consumer, spec, 4, ids, arrival)
