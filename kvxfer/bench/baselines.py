@@ -64,6 +64,7 @@ class SocketReceiver:
         try:
             self.server.settimeout(60)
             conn, _ = self.server.accept()
+            conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             view = memoryview(self.buf)
             with conn:
@@ -92,6 +93,7 @@ class SocketSender:
 
     def __init__(self, host: str, port: int, src: np.ndarray):
         self.sock = socket.create_connection((host, port), timeout=60)
+        self.sock.settimeout(None)  # plain blocking socket: no poll() before every send
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.view = memoryview(src).cast("B")
 
@@ -113,9 +115,25 @@ class SocketSender:
 
 
 # ---- raw NIXL --------------------------------------------------------------------------------------------
+def nixl_api():
+    """NIXL's Python API module: the ``nixl`` meta-package if installed, else a CUDA-flavoured wheel
+    (``nixl-cu13`` / ``nixl-cu12``, what ``kvxfer[nixl]`` installs)."""
+    import importlib
+    import importlib.util
+
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    names = ("nixl._api",) if importlib.util.find_spec("nixl") else ("nixl_cu13._api", "nixl_cu12._api")
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("no NIXL Python package (pip install 'kvxfer[nixl]')")
+
+
 def nixl_importable() -> bool:
     try:
-        import nixl._api  # noqa: F401
+        nixl_api()
     except Exception:  # noqa: BLE001 - any failure to load means "not here"
         return False
     return True
@@ -125,10 +143,8 @@ class RawNixl:
     """One NIXL agent (UCX backend, no progress thread: the caller polls) over a cache's host regions."""
 
     def __init__(self, name: str, regions):
-        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        api = nixl_api()
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.regions = list(regions)
         self.reg = self.agent.register_memory([(r.ptr, r.nbytes, 0, "") for r in self.regions], "DRAM")
         self.peers: dict[str, str] = {}

@@ -24,6 +24,18 @@ from .control import Control
 from .patterns import PatternAllocator
 
 
+def usable(name: str) -> str:
+    """"" when transport ``name`` can run in this process, else why not."""
+    try:
+        cls = transports.get(name)
+        probe = getattr(cls, "usable", None)
+        if probe is not None and not probe():
+            return f"transport {name!r} reports it cannot run here"
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return ""
+
+
 def boot_id() -> str:
     """Identifies this machine's boot: two processes with the same one share ``time.monotonic``."""
     try:
@@ -81,9 +93,11 @@ class ConsumerHalf:
         self.ctl.close()
 
     # ---- ops -----------------------------------------------------------------------------------------------
-    def op_hello(self) -> dict:
-        return {"pid": os.getpid(), "boot_id": boot_id(), "transports": transports.available(),
-                "nixl_raw": baselines.nixl_importable(), "python": sys.version.split()[0]}
+    def op_hello(self, transports: list) -> dict:
+        """Who we are, and which of the driver's ``transports`` can run here (nixl is imported only if asked)."""
+        return {"pid": os.getpid(), "boot_id": boot_id(), "python": sys.version.split()[0],
+                "missing": {n: why for n in transports if (why := usable(n))},
+                "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False}
 
     def op_setup(self, geometry: dict, src_blocks: int, dst_blocks: int, seed: int) -> dict:
         self.op_close()
@@ -115,9 +129,9 @@ class ConsumerHalf:
         self.alloc.set_pattern(pattern)
         return {}
 
-    def op_collect(self, items: list, timeout: float) -> dict:
+    def op_collect(self, items: list, wait: float) -> dict:
         """Wait for the arrivals of ``items`` ([req, source ids]), verify every byte, poison, release."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wait
         want = {req: src for req, src in items}
         got = {}
         while len(got) < len(want):
@@ -176,8 +190,8 @@ class ConsumerHalf:
     def op_nixl_peer(self, meta: bytes) -> dict:
         return {"name": self.nixl.add_peer(meta)}
 
-    def op_nixl_wait(self, tag: bytes, timeout: float = 60.0) -> dict:
-        self.nixl.wait_notif(tag, timeout)
+    def op_nixl_wait(self, tag: bytes, wait: float = 60.0) -> dict:
+        self.nixl.wait_notif(tag, wait)
         return {}
 
     def op_nixl_read(self, local: bytes, remote: bytes, peer: str) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvxfer import wire
+from kvxfer import transports, wire
 from kvxfer.channel import Channel, parse_address
 
 
@@ -41,10 +41,14 @@ class RawPeer:
         except socket.timeout:
             return False
 
-    def hello(self, layout, transport: str, *, version: int = wire.VERSION, auth: str = "", meta: bytes = b""):
+    def hello(self, layout, transport: str, *, version: int = wire.VERSION, auth: str = ""):
+        """A well-formed hello carrying real metadata of a real ``transport`` instance."""
+        self.transport = transports.get(transport)(layout, host=None)
         self.send(wire.Hello(version=version, peer_id="raw", layout=layout.desc(), transport=transport,
-                             transport_meta=meta, auth=auth))
+                             transport_meta=self.transport.local_meta(), auth=auth))
         return self.recv()
 
     def close(self) -> None:
         self.ch.close()
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()

@@ -1,0 +1,240 @@
+"""NIXL transport: one-sided READ / WRITE over NIXL's UCX backend (RDMA, NVLink / CUDA IPC, cma, shm, tcp).
+
+One NIXL agent per endpoint registers the layout's regions once (DRAM for host tensors, VRAM for CUDA ones).
+Agent metadata travels inside kvxfer's own handshake, so there is no second side channel. A transfer is one
+NIXL request built from the plan's numpy descriptor arrays (Nx3 uint64: address, length, device). A push's
+WRITE carries a notification naming (request, generation, bytes); the consumer polls notifications and tells
+its ledger the bytes landed. No NIXL progress thread: on small machines its busy-poll halves throughput, so
+the initiator drives progress by polling its request and one light poller thread per endpoint drains
+notifications (which also progresses the passive side).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+import time
+import uuid
+
+import msgspec
+import numpy as np
+
+from ..errors import CancelledError, PeerError, TimeoutError, TransportError
+from ..memory import HOST
+from ..plan import Extents, make_plan
+from .base import Link, Peer, Transport
+
+_NOTIF = msgspec.msgpack.Encoder()
+_NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
+
+
+def _api():
+    """NIXL's Python API: the ``nixl`` meta-package if installed (it picks the wheel matching the CUDA
+    driver, which takes seconds), else the one CUDA-flavoured wheel that is (``kvxfer[nixl]`` on CPU)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    names = ("nixl._api",) if importlib.util.find_spec("nixl") else ("nixl_cu13._api", "nixl_cu12._api")
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("no NIXL Python package (install kvxfer[nixl])")
+
+
+def _error(e: Exception, what: str) -> Exception:
+    """NIXL's exceptions as kvxfer's: a gone peer is a ``PeerError``, anything else a ``TransportError``."""
+    name = type(e).__name__
+    if "Disconnect" in name or "Remote" in name:
+        return PeerError(f"{what}: peer disconnected ({name}: {e})")
+    return TransportError(f"{what}: {name}: {e}")
+
+
+class NixlTransport(Transport):
+    name = "nixl"
+    one_sided = True
+
+    @staticmethod
+    def usable() -> bool:
+        try:
+            _api()
+            return True
+        except ImportError:
+            return False
+
+    def __init__(self, layout, host, *, auth: str = "", num_threads: int = 0, backends=("UCX",),
+                 poll_interval: float = 0.0005, **_):
+        super().__init__(layout, host, auth=auth)
+        api = _api()
+        self.mem_type = "DRAM" if layout.device == HOST else "VRAM"
+        self.poll_interval = poll_interval
+        config = api.nixl_agent_config(enable_prog_thread=False, num_threads=num_threads, backends=list(backends))
+        self.agent = api.nixl_agent(f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
+        self.lock = threading.Lock()  # the agent runs without NIXL's own locking: every call goes through here
+        self.ptrs = np.array([r.ptr for r in layout.regions], dtype=np.uint64)
+        self.devs = np.array([max(r.device, 0) for r in layout.regions], dtype=np.uint64)
+        regs = np.stack([self.ptrs, np.array([r.nbytes for r in layout.regions], dtype=np.uint64), self.devs], 1)
+        try:
+            self.reg = self.agent.register_memory(regs, self.mem_type)
+        except Exception as e:  # noqa: BLE001
+            raise _error(e, "registering KV memory with NIXL") from None
+        self.links: dict[int, NixlLink] = {}
+        self.by_agent: dict[str, NixlLink] = {}
+        self.closed = False
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="kvxfer-nixl-poll")
+        self._poller.start()
+
+    def local_meta(self) -> bytes:
+        with self.lock:
+            return self.agent.get_agent_metadata()
+
+    def connect(self, peer: Peer) -> "NixlLink":
+        try:
+            with self.lock:
+                name = self.agent.add_remote_agent(peer.meta)
+        except Exception as e:  # noqa: BLE001
+            raise _error(e, "adding the peer's NIXL agent") from None
+        name = name.decode() if isinstance(name, bytes) else name
+        link = NixlLink(self, peer, name)
+        with self.lock:
+            self.links[peer.session] = link
+            self.by_agent[name] = link
+        return link
+
+    def disconnect(self, session: int) -> None:
+        with self.lock:
+            link = self.links.pop(session, None)
+            if link is None:
+                return
+            self.by_agent.pop(link.remote, None)
+            link.closed = True
+            if link.remote not in {x.remote for x in self.links.values()}:
+                try:
+                    self.agent.remove_remote_agent(link.remote)
+                except Exception:  # noqa: BLE001 - a dead peer may already be gone
+                    pass
+
+    def _poll_loop(self) -> None:
+        """Drain notifications (push arrivals) and progress the passive side."""
+        idle = self.poll_interval
+        while not self.closed:
+            try:
+                with self.lock:
+                    if self.closed:
+                        return
+                    notifs = self.agent.get_new_notifs()
+            except Exception:  # noqa: BLE001 - keep polling; a broken peer shows up on its own transfers
+                notifs = {}
+            got = False
+            for agent_name, msgs in notifs.items():
+                link = self.by_agent.get(agent_name.decode() if isinstance(agent_name, bytes) else agent_name)
+                for m in msgs:
+                    got = True
+                    try:
+                        req, gen, nbytes = _NOTIF_DECODER.decode(m)
+                    except msgspec.MsgspecError:
+                        continue
+                    if link is not None:
+                        self.host.landed(link.peer.session, req, gen, nbytes)
+            idle = self.poll_interval if got else min(idle * 2, 0.005)
+            time.sleep(idle)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._poller.join(1.0)
+        with self.lock:
+            for name in {x.remote for x in self.links.values()}:
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001
+                    pass
+            self.links.clear()
+            self.by_agent.clear()
+            try:
+                self.agent.deregister_memory(self.reg)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+class NixlLink(Link):
+    def __init__(self, transport: NixlTransport, peer: Peer, remote: str):
+        self.t = transport
+        self.peer = peer
+        self.remote = remote
+        self.closed = False
+        r = peer.layout.regions
+        self.rptrs = np.array([x.ptr for x in r], dtype=np.uint64)
+        self.rdevs = np.array([max(x.device, 0) for x in r], dtype=np.uint64)
+        self.rmem = "DRAM" if peer.layout.device == HOST else "VRAM"
+
+    @staticmethod
+    def _descs(ext: Extents, ptrs: np.ndarray, devs: np.ndarray) -> np.ndarray:
+        region = np.asarray(ext.region)
+        out = np.empty((len(ext), 3), dtype=np.uint64)
+        out[:, 0] = ptrs[region] + np.asarray(ext.offset, dtype=np.uint64)
+        out[:, 1] = ext.nbytes
+        out[:, 2] = devs[region]
+        return out
+
+    def _plan(self, src_ids, dst_ids):
+        a, b = (self.t.layout, self.peer.layout) if self.peer.is_producer else (self.peer.layout, self.t.layout)
+        return make_plan(self.peer.pairing, src_ids, dst_ids, a.num_blocks, b.num_blocks)
+
+    def descriptors(self, src_ids, dst_ids) -> int:
+        return len(self._plan(src_ids, dst_ids))
+
+    def _run(self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float,
+             cancel: threading.Event) -> None:
+        agent, lock = self.t.agent, self.t.lock
+        handle = None
+        try:
+            with lock:
+                ldesc = agent.get_xfer_descs(local, self.t.mem_type)
+                rdesc = agent.get_xfer_descs(remote, self.rmem)
+                handle = agent.initialize_xfer(op, ldesc, rdesc, self.remote, notif)
+                state = agent.transfer(handle)
+            pause = 0.00002
+            while state == "PROC":
+                if cancel.is_set():
+                    raise CancelledError("transfer cancelled")
+                if self.closed or self.t.closed:
+                    raise PeerError("link closed")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"NIXL {op} still in progress at the deadline")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+                with lock:
+                    state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransportError(f"NIXL {op} ended in state {state}")
+        except (CancelledError, PeerError, TimeoutError, TransportError):
+            raise
+        except Exception as e:  # noqa: BLE001 - NIXL's own exception types
+            raise _error(e, f"NIXL {op}") from None
+        finally:
+            if handle is not None:
+                with lock:
+                    try:
+                        agent.release_xfer_handle(handle)
+                    except Exception:  # noqa: BLE001 - a handle still in flight cannot always be released
+                        pass
+
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
+        plan = self._plan(src_ids, dst_ids)
+        local = self._descs(plan.src, self.t.ptrs, self.t.devs)
+        remote = self._descs(plan.dst, self.rptrs, self.rdevs)
+        self._run("WRITE", local, remote, _NOTIF.encode((req, gen, plan.total)), deadline, cancel)
+        return plan.total
+
+    def read(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
+        plan = self._plan(src_ids, dst_ids)
+        local = self._descs(plan.dst, self.t.ptrs, self.t.devs)
+        remote = self._descs(plan.src, self.rptrs, self.rdevs)
+        self._run("READ", local, remote, b"", deadline, cancel)
+        return plan.total
+
+    def close(self) -> None:
+        self.closed = True
