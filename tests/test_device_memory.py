@@ -1,0 +1,48 @@
+"""The CUDA path without a GPU: what can be checked here with a fake CUDA array (an object exposing
+``__cuda_array_interface__`` over no real device memory). The real VRAM registration and CUDA IPC run on a
+GPU machine through scripts/gpu_check.py."""
+
+import numpy as np
+import pytest
+
+from kvxfer import KVLayout, TransportError
+from kvxfer.memory import as_view
+
+
+class FakeCudaArray:
+    """Looks like a cupy array on device 1 to kvxfer; never dereferenced."""
+
+    def __init__(self, shape, typestr="<f2", ptr=0x7F0000000000, strides=None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": strides, "version": 3}
+        self.device = type("Dev", (), {"id": 1})()
+
+
+def test_fake_cuda_array_is_device_memory():
+    v = as_view(FakeCudaArray((4, 2, 16, 8)))
+    assert v.device == 1 and v.itemsize == 2 and v.strides == (512, 256, 16, 2)
+
+
+def test_fake_cuda_layout_registers_as_vram():
+    lay = KVLayout.from_tensors([FakeCudaArray((4, 2, 16, 8), ptr=0x7F0000000000 + i * 2048) for i in range(2)])
+    assert lay.device == 1
+    assert [r.mem_type for r in lay.regions] == ["VRAM"]  # two touching tensors merge into one region
+    assert lay.desc().regions[0].device == 1
+
+
+def test_fake_cuda_layout_is_refused_by_tcp():
+    from kvxfer.transports.tcp import TcpTransport
+
+    lay = KVLayout.from_tensors([FakeCudaArray((4, 2, 16, 8))])
+    with pytest.raises(TransportError, match="host memory only"):
+        TcpTransport(lay, host=None)
+
+
+def test_nixl_descriptors_carry_the_device_id():
+    pytest.importorskip("nixl_cu13")
+    from kvxfer.plan import Extents
+    from kvxfer.transports.nixl import NixlLink
+
+    ext = Extents(np.array([0, 1]), np.array([0, 64]), np.array([32, 32]))
+    d = NixlLink._descs(ext, np.array([1000, 5000], dtype=np.uint64), np.array([1, 3], dtype=np.uint64))
+    assert d.dtype == np.uint64 and d.tolist() == [[1000, 32, 1], [5064, 32, 3]]
