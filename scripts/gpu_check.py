@@ -51,9 +51,9 @@ def _consumer(conn, num_blocks: int) -> None:
             break
         a = c.get(60)
         torch.cuda.synchronize()
-        # checksums of the received blocks, per layer, for the producer to compare
-        sums = [int(caches[k][torch.as_tensor(a.block_ids, device="cuda")].view(torch.int16).long().sum())
-                for k in caches]
+        # per-block checksums of every layer, in arrival order, for the producer to compare
+        idx = torch.as_tensor(a.block_ids, device="cuda")
+        sums = [caches[k][idx].view(torch.int16).long().sum(dim=(1, 2, 3)).tolist() for k in caches]
         conn.send((a.req, a.block_ids.tolist(), sums))
         c.release(a.req)
     c.close()
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
                 elapsed = time.perf_counter() - start
                 parent.send("next")
                 req, dst_ids, sums = parent.recv()
-                want = [int(t[torch.as_tensor(ids, device="cuda")].view(torch.int16).long().sum()) for t in caches.values()]
+                idx = torch.as_tensor(ids, device="cuda")
+                want = [t[idx].view(torch.int16).long().sum(dim=(1, 2, 3)).tolist() for t in caches.values()]
                 ok &= sums == want
                 if r:
                     times.append(elapsed)
