@@ -116,7 +116,8 @@ class NixlTransport(Transport):
                     pass
 
     def _poll_loop(self) -> None:
-        """Drain notifications (push arrivals) and progress the passive side."""
+        """Drain notifications (push arrivals) and progress this agent: a peer's request completes only
+        while the other side progresses, so the idle back-off stays short (about one poll interval)."""
         idle = self.poll_interval
         while not self.closed:
             try:
@@ -137,7 +138,7 @@ class NixlTransport(Transport):
                         continue
                     if link is not None:
                         self.host.landed(link.peer.session, req, gen, nbytes)
-            idle = self.poll_interval if got else min(idle * 2, 0.005)
+            idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval)
             time.sleep(idle)
 
     def close(self) -> None:
