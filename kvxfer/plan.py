@@ -67,15 +67,48 @@ def _side(layout: KVLayout, bounds: np.ndarray) -> Side:
     return Side(layout.seg_region[seg], layout.seg_offset[seg] + within, layout.seg_stride[seg])
 
 
-def pair(a: KVLayout, b: KVLayout) -> Pairing:
-    """Cut both layouts' block streams into pieces contiguous on both sides."""
+def pair(a: KVLayout, b: KVLayout, ranges=None) -> Pairing:
+    """Cut both layouts' block streams into pieces contiguous on both sides.
+
+    ``ranges`` (an Nx2 array of ``[start, end)`` byte ranges of the block stream, sorted and disjoint)
+    restricts the pairing to those bytes of every block, e.g. a subset of layers (``layer_ranges``): a
+    transfer then moves only them, in the same piece-major stream order on both sides.
+    """
     if a.block_bytes != b.block_bytes:
         raise IncompatibleError(f"block sizes differ: {a.block_bytes} vs {b.block_bytes} bytes")
     ca = np.cumsum(a.seg_bytes)
     cb = np.cumsum(b.seg_bytes)
     bounds = np.union1d(np.concatenate([[0], ca[:-1]]), np.concatenate([[0], cb[:-1]]))
+    if ranges is not None:
+        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if not len(r) or (r[:, 0] >= r[:, 1]).any() or r.min() < 0 or r.max() > a.block_bytes \
+                or (r[1:, 0] < r[:-1, 1]).any():
+            raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
+        bounds = np.union1d(bounds, r[r < a.block_bytes])
     sizes = np.diff(np.append(bounds, a.block_bytes))
-    return Pairing(_side(a, bounds), _side(b, bounds), sizes.astype(np.int64))
+    sa, sb = _side(a, bounds), _side(b, bounds)
+    if ranges is not None:
+        hit = np.searchsorted(r[:, 0], bounds, side="right") - 1
+        keep = (hit >= 0) & (bounds < r[np.maximum(hit, 0), 1])
+        sa, sb, sizes = _keep(sa, keep), _keep(sb, keep), sizes[keep]
+    return Pairing(sa, sb, sizes.astype(np.int64))
+
+
+def _keep(s: Side, keep: np.ndarray) -> Side:
+    return Side(s.region[keep], s.offset[keep], s.stride[keep])
+
+
+def layer_ranges(layout: KVLayout, layers) -> np.ndarray:
+    """The block-stream byte ranges of ``layers`` (layer ``l`` is bytes ``[l, l+1) * layer_bytes`` of a
+    block, as the fingerprint both sides agreed on defines it), adjacent layers merged."""
+    n, lb = layout.fingerprint.num_layers, layout.fingerprint.layer_bytes
+    ls = np.unique(np.asarray(list(layers), dtype=np.int64))
+    if not len(ls) or ls[0] < 0 or ls[-1] >= n or len(ls) != len(list(layers)):
+        raise BlockError(f"layers {list(layers)} are not distinct layers of [0, {n})")
+    brk = np.flatnonzero(np.diff(ls) != 1) + 1
+    starts = ls[np.concatenate([[0], brk])]
+    ends = ls[np.concatenate([brk - 1, [len(ls) - 1]])] + 1
+    return np.stack([starts * lb, ends * lb], 1)
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,22 @@ def test_length_mismatch():
     a = _layout("per")
     with pytest.raises(BlockError, match="destination"):
         make_plan(pair(a, a), [1, 2], [3], 32, 32)
+
+
+def test_pairing_restricted_to_layers():
+    from conformance.kvspec import Spec
+    from kvxfer.plan import layer_ranges
+
+    a_spec, b_spec = Spec(kind="nhd", layers=4), Spec(kind="cross_layer", layers=4)
+    a = a_spec.layout(*a_spec.build(seed=1)[:2])
+    b = b_spec.layout(*b_spec.build(fill=0)[:2])
+    lb = a.fingerprint.layer_bytes
+    assert layer_ranges(a, [3, 0, 1]).tolist() == [[0, 2 * lb], [3 * lb, 4 * lb]]
+    full, half = pair(a, b), pair(a, b, layer_ranges(a, [1, 2]))
+    assert half.block_bytes == 2 * lb and full.block_bytes == 4 * lb
+    plan = make_plan(half, [1, 2, 3], [5, 6, 7], a.num_blocks, b.num_blocks)
+    assert plan.total == 3 * 2 * lb
+    with pytest.raises(BlockError):
+        layer_ranges(a, [4])
+    with pytest.raises(BlockError):
+        pair(a, b, [[10, 5]])
