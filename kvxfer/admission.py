@@ -20,8 +20,27 @@ _generations = itertools.count(1)
 
 
 @dataclass
+class Part:
+    """One sender's share of a multi-sender request: its own generation, session, layers and bytes."""
+
+    index: int
+    gen: int
+    peer: int
+    layers: tuple[int, ...]
+    nbytes: int
+    slot: "Slot"
+    landed: int = 0
+    done: bool = False
+
+    @property
+    def error(self) -> KVXferError | None:  # a write ticket: a failed request stops every part's receive
+        return self.slot.error
+
+
+@dataclass
 class Slot:
-    """Blocks granted to one request from one producer session."""
+    """Blocks granted to one request: from one producer session, or from ``senders`` sessions (``parts``)
+    that each fill a disjoint subset of layers of the same blocks."""
 
     req: str
     gen: int
@@ -37,10 +56,23 @@ class Slot:
     error: KVXferError | None = None
     complete: bool = False
     hold_until: float = 0.0   # a failed slot keeps its blocks until no writer can still touch them
+    senders: int = 1
+    parts: dict[int, Part] = field(default_factory=dict)   # multi-sender only, by part index
+    live_peers: set[int] = field(default_factory=set)      # sessions that may still write these blocks
+    admitted: float = 0.0
 
     @property
     def ready(self) -> bool:
+        if self.senders > 1:
+            return (len(self.parts) == self.senders and self.error is None
+                    and all(p.done and p.landed >= p.nbytes for p in self.parts.values()))
         return self.done and self.landed >= self.nbytes and self.error is None
+
+    def members(self) -> list[tuple[int, int]]:
+        """(session, generation) of every writer of this request."""
+        if self.senders > 1:
+            return [(p.peer, p.gen) for p in self.parts.values()]
+        return [(self.peer, self.gen)]
 
 
 class Grants:
@@ -52,9 +84,11 @@ class Grants:
     """
 
     def __init__(self, allocator: Allocator, block_bytes: int, *, max_inflight: int = 1024,
-                 tombstone_ttl: float = 30.0, quarantine: float = 0.0, retry_after: float = 0.05):
+                 tombstone_ttl: float = 30.0, quarantine: float = 0.0, retry_after: float = 0.05,
+                 num_layers: int = 1):
         self.allocator = allocator
         self.block_bytes = block_bytes
+        self.num_layers = num_layers
         self.max_inflight = max_inflight
         self.tombstone_ttl = tombstone_ttl
         self.quarantine = quarantine
@@ -65,14 +99,29 @@ class Grants:
         self.tombstones: dict[str, float] = {}
 
     # ---- admission ---------------------------------------------------------------------------------------
-    def admit(self, peer: int, req: str, n: int, deadline: float, now: float) -> tuple[Slot, list[Slot]]:
-        """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded."""
+    def admit(self, peer: int, req: str, n: int, deadline: float, now: float, *, senders: int = 1,
+              part: int = 0, layers=None) -> tuple[Slot, list[Slot]]:
+        """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
+
+        With ``senders > 1`` the request is split between that many producer sessions, part ``part`` carrying
+        ``layers``: the first part to arrive is admitted (blocks, deadline, in-flight bound); later parts
+        join the same grant and get their own generation (``admit_part``), without a second allocation.
+        """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
         if self.tombstones.get(req, 0.0) > now:
             raise CancelledError(f"request {req!r} was cancelled")
+        if req in self.handed:
+            raise StaleError(f"request {req!r} was already received and is held by the runtime")
+        if senders > 1:
+            layers = self._check_layers(senders, part, layers)
+        elif senders != 1 or part != 0 or (layers is not None and len(layers) != self.num_layers):
+            raise BlockError(f"request {req!r}: a single sender carries every layer as part 0")
         superseded = []
         old = self.active.get(req)
+        if old is not None and senders > 1 and old.senders == senders and part not in old.parts:
+            self._join(old, peer, n, part, layers)
+            return old, []
         if old is not None:
             superseded.append(self.fail(req, StaleError(f"request {req!r} superseded by a newer admission"), now))
         if len(self.active) >= self.max_inflight:
@@ -80,47 +129,100 @@ class Grants:
         ids = self.allocator.allocate(n)
         if ids is None:
             raise BusyError(f"no room for {n} blocks", self.retry_after)
-        slot = Slot(req, next(_generations), peer, np.asarray(ids, dtype=np.int64), n * self.block_bytes, deadline)
+        slot = Slot(req, next(_generations), peer, np.asarray(ids, dtype=np.int64), n * self.block_bytes, deadline,
+                    senders=senders, live_peers={peer}, admitted=now)
         self.active[req] = slot
+        if senders > 1:
+            first = self._join(slot, peer, n, part, layers)
+            slot.gen = first.gen
         return slot, superseded
 
+    def _check_layers(self, senders: int, part: int, layers) -> tuple[int, ...]:
+        if not 0 <= part < senders:
+            raise BlockError(f"part {part} of {senders} senders")
+        ls = tuple(sorted(int(x) for x in (layers or ())))
+        if not ls or len(set(ls)) != len(ls) or ls[0] < 0 or ls[-1] >= self.num_layers:
+            raise BlockError(f"part {part}: layers {list(layers or ())} are not distinct layers of "
+                             f"[0, {self.num_layers})")
+        return ls
+
+    def _join(self, slot: Slot, peer: int, n: int, part: int, layers: tuple[int, ...]) -> Part:
+        if n != len(slot.ids):
+            raise BlockError(f"request {slot.req!r} part {part}: {n} blocks, the request holds {len(slot.ids)}")
+        taken = {x for p in slot.parts.values() for x in p.layers}
+        if taken & set(layers):
+            raise BlockError(f"request {slot.req!r} part {part}: layers {sorted(taken & set(layers))} "
+                             "already belong to another part")
+        if len(slot.parts) == slot.senders - 1 and len(taken) + len(layers) != self.num_layers:
+            raise BlockError(f"request {slot.req!r}: its {slot.senders} parts cover "
+                             f"{len(taken) + len(layers)} of {self.num_layers} layers")
+        p = Part(part, next(_generations), peer, layers, n * self.block_bytes * len(layers) // self.num_layers,
+                 slot)
+        slot.parts[part] = p
+        slot.live_peers.add(peer)
+        return p
+
+    def part(self, slot: Slot, gen: int) -> Part | None:
+        """The part of a multi-sender ``slot`` with generation ``gen``."""
+        return next((p for p in slot.parts.values() if p.gen == gen), None)
+
     def _live(self, peer: int, req: str, gen: int) -> Slot:
+        return self._live_part(peer, req, gen)[0]
+
+    def _live_part(self, peer: int, req: str, gen: int) -> tuple[Slot, Part | None]:
         slot = self.active.get(req)
-        if slot is None or slot.gen != gen or slot.peer != peer:
+        part = self.part(slot, gen) if slot is not None and slot.senders > 1 else None
+        if slot is None or (part is None and (slot.senders > 1 or slot.gen != gen)) \
+                or (part.peer if part else slot.peer) != peer:
             if req in self.tombstones:
                 raise CancelledError(f"request {req!r} was cancelled or failed")
             raise StaleError(f"no live grant for request {req!r} generation {gen}")
-        return slot
+        return slot, part
 
-    def check_write(self, peer: int, req: str, gen: int, ids: np.ndarray) -> Slot:
-        """The slot a writer may fill, if ``ids`` are exactly the granted blocks in grant order."""
-        slot = self._live(peer, req, gen)
+    def check_write(self, peer: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
+        """The ticket a writer may fill (the slot, or the part of a multi-sender request), if ``ids`` are
+        exactly the granted blocks in grant order."""
+        slot, part = self._live_part(peer, req, gen)
         if len(ids) != len(slot.ids) or not np.array_equal(ids, slot.ids):
             raise BlockError(f"request {req!r} writes blocks it was not granted")
-        return slot
+        return part or slot
 
     def begin_receive(self, slot: Slot) -> None:
         slot.moving += 1
 
-    def end_receive(self, slot: Slot, nbytes: int, now: float) -> Slot | None:
-        """Account ``nbytes`` received; returns the slot when it just became ready."""
+    def end_receive(self, slot: Slot, nbytes: int, now: float, part: Part | None = None) -> Slot | None:
+        """Account ``nbytes`` received (into ``part``, for a multi-sender request); returns the slot when it
+        just became ready."""
         slot.moving -= 1
         if slot.error is None:
-            slot.landed += nbytes
+            if part is not None:
+                part.landed += nbytes
+            else:
+                slot.landed += nbytes
             return self._maybe_ready(slot)
         return None
 
     def landed(self, peer: int, req: str, gen: int, nbytes: int) -> Slot | None:
         """A one-sided transport says the bytes are there (NIXL notification)."""
-        slot = self._live(peer, req, gen)
-        slot.landed += nbytes
+        slot, part = self._live_part(peer, req, gen)
+        if part is not None:
+            part.landed += nbytes
+        else:
+            slot.landed += nbytes
         return self._maybe_ready(slot)
 
     def done(self, peer: int, req: str, gen: int, nbytes: int, meta: dict, digests: bytes) -> Slot | None:
-        slot = self._live(peer, req, gen)
-        if nbytes != slot.nbytes:
-            raise BlockError(f"request {req!r}: producer moved {nbytes} bytes, grant holds {slot.nbytes}")
-        slot.done, slot.meta, slot.digests = True, meta, digests
+        """The producer (or one part's producer) says it moved everything. A duplicate ``Done`` for a
+        request already handed off is harmless: it raises ``StaleError`` and changes nothing."""
+        slot, part = self._live_part(peer, req, gen)
+        expected = part.nbytes if part else slot.nbytes
+        if nbytes != expected:
+            raise BlockError(f"request {req!r}: producer moved {nbytes} bytes, grant holds {expected}")
+        if part is not None:
+            part.done = True
+            slot.meta = {**slot.meta, **meta} if part.index == 0 else {**meta, **slot.meta}  # part 0 wins
+        else:
+            slot.done, slot.meta, slot.digests = True, meta, digests
         return self._maybe_ready(slot)
 
     def _maybe_ready(self, slot: Slot) -> Slot | None:
@@ -154,11 +256,12 @@ class Grants:
 
     def peer_lost(self, peer: int, error: KVXferError, now: float) -> list[Slot]:
         """Every active slot of a dead session fails; nothing of it can write any more."""
-        lost = [s for s in self.active.values() if s.peer == peer]
+        lost = [s for s in self.active.values() if peer in s.live_peers]
         for s in lost:
             self.fail(s.req, error, now)
         for s in self.dying:
-            if s.peer == peer:
+            s.live_peers.discard(peer)
+            if not s.live_peers:
                 s.hold_until = min(s.hold_until, now)
         self.reap(now)
         return lost

@@ -26,7 +26,7 @@ import numpy as np
 
 from . import transports, wire
 from .digest import block_digests, mismatches
-from .admission import Grants, Leases, Slot
+from .admission import Grants, Leases, Part, Slot
 from .allocator import Allocator, FreeList
 from .channel import Channel, connect, parse_address
 from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, IncompatibleError,
@@ -68,6 +68,7 @@ class Transfer:
         self.descriptors = 0
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
+        self.layers: list[int] | None = None   # one part of a multi-sender push: only these layers
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self.cancel_event = threading.Event()
@@ -333,21 +334,36 @@ class Producer(_Endpoint):
         return s
 
     def push(self, address: str, req: str, block_ids, *, meta: dict | None = None,
-             deadline: float | None = None, digests: bool = False, dst_block_ids=None) -> Transfer:
+             deadline: float | None = None, digests: bool = False, dst_block_ids=None,
+             layers=None, senders: int = 1, part: int = 0) -> Transfer:
         """Ask ``address`` to admit ``len(block_ids)`` blocks and write these blocks into its grant.
 
         Returns at once; the transfer goes on in the background. ``dst_block_ids`` (a test hook for the
         protocol's fencing) overrides the granted destination, which the consumer must refuse unless equal.
         ``digests`` sends a CRC per block for the consumer to check (host memory; for tests and debugging).
+
+        Multi-sender (tensor-parallel prefill ranks): ``senders`` producers each push ``part`` of one request,
+        carrying only ``layers`` (disjoint, together every layer) into the same granted blocks; the consumer
+        hands the request off once every part is done.
         """
         t = self._start("push", address, req, block_ids, deadline)
         t.meta = dict(meta or {})
+        if senders == 1 and layers is not None \
+                and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
+            raise BlockError("a subset of layers is one part of a multi-sender push: give senders and part")
+        if senders > 1:
+            if digests:
+                raise BlockError("per-block digests cover whole blocks: not for a multi-sender push")
+            n = self.layout.fingerprint.num_layers
+            t.layers = sorted(int(x) for x in (range(n) if layers is None else layers))  # checked by the consumer
+            t.nbytes = len(t.src_ids) * self.layout.fingerprint.layer_bytes * len(t.layers)
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         try:
             s = self._enroll(t)
             s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids),
-                              deadline_ms=_ms(t.deadline - time.monotonic()), meta=t.meta))
+                              deadline_ms=_ms(t.deadline - time.monotonic()), meta=t.meta,
+                              **({"senders": senders, "part": part, "layers": t.layers} if senders > 1 else {})))
         except KVXferError as e:
             self._end(t, e)
         return t
@@ -440,13 +456,18 @@ class Producer(_Endpoint):
             self._fail(s, t, ClosedError("producer closed"))
 
     def _move(self, s: _ProducerSession, t: Transfer) -> None:
+        if t.done():  # cancelled, superseded or timed out before its turn: not a byte moves
+            return
         dst = t.dst_ids if t.override is None else t.override
         try:
             if self.transport.one_sided and not np.array_equal(dst, t.dst_ids):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
-            t.descriptors = s.link.descriptors(t.src_ids, dst)
-            moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
+            if t.layers is None:
+                t.descriptors = s.link.descriptors(t.src_ids, dst)
+                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
+            else:
+                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, layers=t.layers)
         except KVXferError as e:
             return self._fail(s, t, e)
         except Exception as e:  # noqa: BLE001
@@ -533,12 +554,14 @@ class Consumer(_Endpoint):
                  max_inflight: int = 1024, tombstone_ttl: float = 30.0, retry_after: float = 0.05,
                  quarantine: float = 2.0, on_arrival: Callable[[Arrival], None] | None = None,
                  peer_id: str | None = None, transport_options: dict | None = None, workers: int = 8,
-                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0):
+                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True):
         super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+        self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.allocator = allocator or FreeList(layout.num_blocks)
         self.grants = Grants(self.allocator, layout.block_bytes, max_inflight=max_inflight,
                              tombstone_ttl=tombstone_ttl, retry_after=retry_after,
-                             quarantine=quarantine if self.transport.one_sided else 0.0)
+                             quarantine=quarantine if self.transport.one_sided else 0.0,
+                             num_layers=layout.fingerprint.num_layers)
         self.deadline = deadline
         self.max_frame = max_frame
         self.handshake_timeout = handshake_timeout
@@ -570,13 +593,19 @@ class Consumer(_Endpoint):
         """Cancel an admitted push or a running pull; the producer is told, blocks are released."""
         with self._lock:
             slot = self.grants.active.get(req)
-            s = self._sessions.get(slot.peer) if slot else None
         if slot is None:
             return False
         self._fail_slot(slot, CancelledError(reason))
-        if s is not None:
-            s.send(wire.Cancel(req=req, gen=self._remote_gen(s, slot), reason=reason))
+        self._tell_members(slot, lambda s, gen: wire.Cancel(req=req, gen=gen, reason=reason))
         return True
+
+    def _tell_members(self, slot: Slot, make, skip: int | None = None) -> None:
+        """Send ``make(session, gen)`` to every producer session writing ``slot`` (all parts)."""
+        for sid, gen in slot.members():
+            with self._lock:
+                s = self._sessions.get(sid)
+            if s is not None and sid != skip:
+                s.send(make(s, self._remote_gen(s, slot) if slot.senders == 1 else gen))
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -684,8 +713,12 @@ class Consumer(_Endpoint):
             with self._lock:
                 slot = self.grants.active.get(msg.req)
                 pull = s.pulls.get(msg.req)
-            if slot is not None and slot.peer == s.sid and (pull is not None or slot.gen == msg.gen):
+            ours = (pull is not None and slot.peer == s.sid) if slot is not None else False
+            if slot is not None and (ours or (s.sid, msg.gen) in slot.members()):
                 self._fail_slot(slot, CancelledError(f"producer cancelled: {msg.reason}"))
+                if slot.senders > 1:
+                    self._tell_members(slot, lambda _, gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason),
+                                       skip=s.sid)
             return
         if isinstance(msg, (wire.Ack, wire.Error)) and msg.req in s.pulls:
             return self._pull_answer(s, msg)
@@ -700,8 +733,10 @@ class Consumer(_Endpoint):
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
             with self._lock:
-                slot, superseded = self.grants.admit(s.sid, msg.req, msg.num_blocks, deadline, now)
-                self.counters["admitted"] += 1
+                slot, superseded = self.grants.admit(s.sid, msg.req, msg.num_blocks, deadline, now,
+                                                     senders=msg.senders, part=msg.part, layers=msg.layers)
+                joined = slot.senders > 1 and len(slot.parts) > 1
+                self.counters["admitted"] += not joined
                 self.counters["failed"] += len(superseded)
         except BusyError as e:
             with self._lock:
@@ -712,8 +747,17 @@ class Consumer(_Endpoint):
             with self._lock:
                 self.counters["rejected"] += 1
             return self._refuse(s, msg.req, 0, e)
-        slot.meta = dict(msg.meta)
-        s.send(wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids)))
+        for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
+            self._tell_members(old, lambda _, gen: wire.Error(req=old.req, gen=gen, code=StaleError.code,
+                                                              message=f"request {old.req!r} superseded"),
+                               skip=s.sid)  # on the same session the answer would name the new transfer
+        if slot.senders > 1:
+            gen = slot.parts[msg.part].gen
+            slot.meta = {**slot.meta, **msg.meta} if msg.part == 0 else {**msg.meta, **slot.meta}  # part 0 wins
+        else:
+            gen = slot.gen
+            slot.meta = dict(msg.meta)
+        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids)))
 
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
         with self._lock:
@@ -744,15 +788,17 @@ class Consumer(_Endpoint):
             self.counters["completed"] += 1
             self.counters["bytes"] += slot.nbytes
         arrival = Arrival(slot.req, slot.ids, slot.meta, slot.nbytes, slot.gen,
-                          s.remote_id if s else "", kind, slot.digests, {"completed": time.monotonic()})
-        if kind == "push" and s is not None:
-            s.send(wire.Ack(req=slot.req, gen=slot.gen))
+                          s.remote_id if s else "", kind, slot.digests,
+                          {"admitted": slot.admitted, "completed": time.monotonic()})
+        if kind == "push":
+            self._tell_members(slot, lambda _, gen: wire.Ack(req=slot.req, gen=gen))
         if self.on_arrival is not None:
             try:
                 self.on_arrival(arrival)
             except Exception:  # noqa: BLE001 - the runtime's callback must not break the transport
                 log.exception("kvxfer on_arrival callback for %s", slot.req)
-        self.arrivals.put(arrival)
+        if self.queue_arrivals or self.on_arrival is None:
+            self.arrivals.put(arrival)
 
     def _remote_gen(self, s: _ConsumerSession, slot: Slot) -> int:
         pull = s.pulls.get(slot.req)
@@ -762,12 +808,12 @@ class Consumer(_Endpoint):
         with self._lock:
             late = self.grants.expired(now)
         for slot in late:
-            err = TimeoutError(f"request {slot.req!r} passed its deadline")
+            missing = slot.senders - len(slot.parts) if slot.senders > 1 else 0
+            err = TimeoutError(f"request {slot.req!r} passed its deadline"
+                               + (f" ({missing} of {slot.senders} senders never came)" if missing else ""))
             self._fail_slot(slot, err)
-            with self._lock:
-                s = self._sessions.get(slot.peer)
-            if s is not None:
-                s.send(wire.Error(req=slot.req, gen=self._remote_gen(s, slot), code=err.code, message=str(err)))
+            self._tell_members(slot, lambda _, gen: wire.Error(req=slot.req, gen=gen, code=err.code,
+                                                               message=str(err)))
         with self._lock:
             self.grants.reap(now)
 
@@ -836,15 +882,17 @@ class Consumer(_Endpoint):
             self._deliver(ready, "pull")
 
     # ---- transport host callbacks ----------------------------------------------------------------------
-    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Slot:
+    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
         with self._lock:
-            slot = self.grants.check_write(session, req, gen, ids)
-            self.grants.begin_receive(slot)
-            return slot
+            ticket = self.grants.check_write(session, req, gen, ids)
+            self.grants.begin_receive(ticket.slot if isinstance(ticket, Part) else ticket)
+            return ticket
 
-    def end_write(self, slot: Slot, nbytes: int, error) -> None:
+    def end_write(self, ticket: Slot | Part, nbytes: int, error) -> None:
+        part = ticket if isinstance(ticket, Part) else None
+        slot = part.slot if part else ticket
         with self._lock:
-            ready = self.grants.end_receive(slot, nbytes, time.monotonic())
+            ready = self.grants.end_receive(slot, nbytes, time.monotonic(), part)
         if error is not None:
             err = error if isinstance(error, KVXferError) else PeerError(f"receive failed: {error!r}")
             self._fail_slot(slot, err)

@@ -7,7 +7,7 @@ request costs one memcpy, not a million msgpack integers.
 
 Control flow (one TCP control connection per producer -> consumer pair; data moves on the transport):
 
-push   producer -> Admit(req, n)         consumer -> Grant(req, gen, ids) | Busy(req, retry_after)
+push   producer -> Admit(req, n[, senders, part, layers])  consumer -> Grant(req, gen, ids) | Busy(req, retry_after)
        producer moves the bytes into exactly ``ids``, then -> Done(req, gen, meta)
        consumer -> Ack(req, gen)  once the bytes have landed (or Error)
 pull   producer -> Offer(req, gen, ids, lease)   consumer reads them into its own blocks
@@ -85,12 +85,20 @@ class Welcome(_Msg, tag="welcome"):
 
 
 class Admit(_Msg, tag="admit"):
-    """Push: ask the consumer to grant ``num_blocks`` destination blocks for ``req``."""
+    """Push: ask the consumer to grant ``num_blocks`` destination blocks for ``req``.
+
+    Multi-sender (tensor-parallel prefill): ``senders`` producer sessions each send ``part`` of one request,
+    carrying only ``layers`` of every block; all parts are granted the same blocks, each its own generation,
+    and the request is ready when every part is done. The defaults are the single-sender push.
+    """
 
     req: str
     num_blocks: int
     deadline_ms: int
     meta: dict[str, Any] = {}
+    senders: int = 1
+    part: int = 0
+    layers: Union[list[int], None] = None
 
 
 class Grant(_Msg, tag="grant"):

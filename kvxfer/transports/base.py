@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from ..layout import KVLayout
-from ..plan import Pairing
+from ..plan import Pairing, layer_ranges, pair
 
 
 @dataclass
@@ -55,13 +55,27 @@ class Link(ABC):
 
     @abstractmethod
     def write(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
-              deadline: float, cancel: threading.Event) -> int:
-        """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved."""
+              deadline: float, cancel: threading.Event, layers=None) -> int:
+        """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved.
+        ``layers`` restricts the write to those layers of every block (one part of a multi-sender push)."""
 
     @abstractmethod
     def read(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
              deadline: float, cancel: threading.Event) -> int:
         """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
+
+    def pairing(self, layers=None) -> Pairing:
+        """The peer's pairing, restricted to ``layers`` (cached per selection)."""
+        if layers is None:
+            return self.peer.pairing
+        key = tuple(layers)
+        cache = self.__dict__.setdefault("_selected", {})
+        p = cache.get(key)
+        if p is None:
+            local = self.t.layout
+            a, b = (local, self.peer.layout) if self.peer.is_producer else (self.peer.layout, local)
+            p = cache[key] = pair(a, b, layer_ranges(local, key))
+        return p
 
     def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
         """How many descriptors a transfer of these blocks costs after coalescing (for reports)."""

@@ -180,9 +180,9 @@ class NixlLink(Link):
         out[:, 2] = devs[region]
         return out
 
-    def _plan(self, src_ids, dst_ids):
+    def _plan(self, src_ids, dst_ids, layers=None):
         a, b = (self.t.layout, self.peer.layout) if self.peer.is_producer else (self.peer.layout, self.t.layout)
-        return make_plan(self.peer.pairing, src_ids, dst_ids, a.num_blocks, b.num_blocks)
+        return make_plan(self.pairing(layers), src_ids, dst_ids, a.num_blocks, b.num_blocks)
 
     def descriptors(self, src_ids, dst_ids) -> int:
         return len(self._plan(src_ids, dst_ids))
@@ -223,8 +223,8 @@ class NixlLink(Link):
                     except Exception:  # noqa: BLE001 - a handle still in flight cannot always be released
                         pass
 
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
-        plan = self._plan(src_ids, dst_ids)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
+        plan = self._plan(src_ids, dst_ids, layers)
         local = self._descs(plan.src, self.t.ptrs, self.t.devs)
         remote = self._descs(plan.dst, self.rptrs, self.rdevs)
         self._run("WRITE", local, remote, _NOTIF.encode((req, gen, plan.total)), deadline, cancel)

@@ -141,7 +141,10 @@ class TcpLink(Link):
             return
         self.spawn(self.serve_reads, ch)
 
-    def _extents(self, ids: np.ndarray) -> Extents:
+    def _extents(self, ids: np.ndarray, layers=None) -> Extents:
+        if layers is not None:
+            p = self.pairing(layers)
+            return extents(p.a if self.peer.is_producer else p.b, p.nbytes, ids, self.t.layout.num_blocks)
         return extents(self._side, self._nbytes, ids, self.t.layout.num_blocks)
 
     @staticmethod
@@ -204,8 +207,8 @@ class TcpLink(Link):
             except queue.Empty:
                 continue
 
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
-        ext = self._extents(src_ids)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
+        ext = self._extents(src_ids, layers)
         ids = wire.ids_to_bytes(dst_ids)
         check = self._checker(deadline, cancel)
         k = min(self.t.streams, max(1, ext.total // self.t.window_min))
@@ -253,7 +256,7 @@ class TcpLink(Link):
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
                     continue
                 try:
-                    ext = self._extents(ids)
+                    ext = self._extents(ids, getattr(ticket, "layers", None))  # the grant decides the bytes
                     if msg.offset < 0 or msg.length <= 0 or msg.offset + msg.length > ext.total:
                         raise ProtocolError(f"window [{msg.offset}, +{msg.length}) outside {ext.total} bytes")
 
