@@ -1,0 +1,145 @@
+"""Producer processes for the receive-service tests: a kvxfer Producer in a child process, driven through a
+pipe, with the few hooks these tests need (hold a granted push before it moves, retry on busy, send a
+duplicate Done)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from conformance.kvspec import Spec
+
+_ctx = mp.get_context("spawn")
+
+
+def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
+    from kvxfer import BusyError, Producer, wire
+
+    tensors, kw, _, _ = spec.build(seed=seed)
+    producer = Producer(spec.layout(tensors, kw), transport=transport, **options)
+    gate = threading.Event()
+    gate.set()
+    move = producer._move
+
+    def held_move(s, t):  # "hold": a granted push waits here before moving a byte
+        gate.wait(60)
+        move(s, t)
+
+    producer._move = held_move
+    inflight, retrying = {}, {}
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "close":
+                break
+            if cmd == "push":
+                address, req, ids, kwargs, wait, retry = args
+
+                def attempt(address=address, req=req, ids=ids, kwargs=kwargs):
+                    end = time.monotonic() + 20
+                    while True:  # a producer's retry loop: back off as the consumer's Busy says
+                        t = inflight[req] = producer.push(address, req, np.asarray(ids), **kwargs)
+                        try:
+                            return t.wait()
+                        except BusyError as e:
+                            if time.monotonic() > end:
+                                raise
+                            time.sleep(e.retry_after)
+
+                if retry:
+                    th = threading.Thread(target=lambda: _quiet(attempt), daemon=True)
+                    retrying[req] = th
+                    th.start()
+                    conn.send(("ok", None))
+                    continue
+                t = inflight[req] = producer.push(address, req, np.asarray(ids), **kwargs)
+                if wait:
+                    t.wait()
+                conn.send(("ok", {"status": t.status.value, "gen": t.gen,
+                                  "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist()}))
+            elif cmd == "wait":
+                req, timeout = args
+                if req in retrying:
+                    retrying.pop(req).join(timeout)
+                t = inflight[req]
+                t.wait(timeout)
+                conn.send(("ok", {"status": t.status.value, "gen": t.gen}))
+            elif cmd == "hold":
+                gate.clear()
+                conn.send(("ok", None))
+            elif cmd == "go":
+                gate.set()
+                conn.send(("ok", None))
+            elif cmd == "redone":  # a duplicate Done for a transfer that already completed
+                address, req = args
+                t = inflight[req]
+                producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
+                conn.send(("ok", None))
+            else:
+                conn.send(("err", "ValueError", f"unknown command {cmd}"))
+        except Exception as e:  # noqa: BLE001 - report to the parent, typed by name
+            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+    producer.close()
+
+
+def _quiet(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - "wait" reports the transfer's own error
+        pass
+
+
+class RemoteError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class Sender:
+    """A kvxfer Producer in its own process, its KV filled with bytes seeded by ``seed``."""
+
+    def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
+        self.spec, self.seed = spec, seed
+        self.conn, child = _ctx.Pipe()
+        self.proc = _ctx.Process(target=_main, args=(child, spec, transport, seed, options), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise TimeoutError("producer process did not start")
+        status, self.pid = self.conn.recv()
+        assert status == "ready"
+
+    def call(self, *cmd, timeout: float = 60):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"producer process did not answer {cmd[0]}")
+        reply = self.conn.recv()
+        if reply[0] == "err":
+            raise RemoteError(reply[1], reply[2])
+        return reply[1]
+
+    def push(self, address, req, ids, wait=True, retry=False, **kwargs):
+        return self.call("push", address, req, list(map(int, ids)), kwargs, wait, retry)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        self.kill()
