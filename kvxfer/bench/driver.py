@@ -114,7 +114,7 @@ class _NixlRef:
             reply = drv.ctl.recv(drv.s.deadline + 30)
         else:
             drv.ctl.send({"op": "nixl_read", "local": remote.tobytes(), "remote": local.tobytes(), "peer": self.me})
-            while not drv.ctl.readable(0.0002):
+            while not drv.ctl.readable(baselines.NOTIF_POLL):
                 self.agent.poll()  # the passive side keeps UCX moving
             reply = drv.ctl.recv(drv.s.deadline + 30)
         dt = time.perf_counter() - t0
@@ -312,12 +312,15 @@ class Driver:
                 if timed:
                     times.append(dt)
                     descs.append(self._descriptors(t, src, dst))
-        rates = [nbytes / t for t in times]
-        row.update(descriptors=int(np.median(descs)), gbps=_median(rates) / 1e9, gbps_max=max(rates) / 1e9,
-                   p50_ms=_pct(times, 50) * 1e3, p99_ms=_pct(times, 99) * 1e3, verified=True)
+        rates = [nbytes / t / 1e9 for t in times]
+        row.update(descriptors=int(np.median(descs)), gbps=_median(rates), gbps_max=max(rates),
+                   p50_ms=_pct(times, 50) * 1e3, p99_ms=_pct(times, 99) * 1e3, verified=True,
+                   samples_gbps=[round(r, 4) for r in rates])
         if ref_times:
-            row.update(baseline_gbps=_median([nbytes / t for t in ref_times]) / 1e9,
-                       baseline_p50_ms=_pct(ref_times, 50) * 1e3, baseline_p99_ms=_pct(ref_times, 99) * 1e3)
+            ref_rates = [nbytes / t / 1e9 for t in ref_times]
+            row.update(baseline_gbps=_median(ref_rates), baseline_p50_ms=_pct(ref_times, 50) * 1e3,
+                       baseline_p99_ms=_pct(ref_times, 99) * 1e3,
+                       baseline_samples_gbps=[round(r, 4) for r in ref_rates])
 
     # ---- latency ---------------------------------------------------------------------------------------------
     def latency(self, producer, address, mode, pattern, ref, row) -> None:
@@ -347,7 +350,7 @@ class Driver:
                 visible = arrivals[req]["t"] if self.same_clock else t1
                 lat.append(visible - t0)
                 nbytes += len(src) * g.block_bytes
-                descs.append(t.descriptors or 0)
+                descs.append(self._descriptors(t, src, np.frombuffer(arrivals[req]["dst"], "<u4").astype(np.int64)))
             done += len(wave)
             if ref is not None:  # the same requests, one after the other, through the raw baseline
                 for _, src in wave:
@@ -357,7 +360,7 @@ class Driver:
         total = sum(walls)
         row.update(kind="latency", requests=len(timed), concurrency=s.concurrency,
                    request_blocks=f"{lo}-{hi}", total_bytes=nbytes,
-                   descriptors=int(np.median(descs)) if any(descs) else None,
+                   descriptors=int(np.median(descs)),
                    gbps=nbytes / total / 1e9, req_s=len(timed) / total,
                    p50_ms=_pct(lat, 50) * 1e3, p99_ms=_pct(lat, 99) * 1e3,
                    latency_clock="consumer arrival" if self.same_clock else "producer completion",

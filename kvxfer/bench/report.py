@@ -60,9 +60,13 @@ def header(rows: list[dict], geometry_text: str) -> str:
     if not rows:
         return geometry_text
     r = rows[0]
-    what = (f"{r['requests']} requests of {r['request_blocks']} blocks, {r['concurrency']} in flight"
-            if r.get("kind") == "latency" else f"{r['tokens']} tokens = {r['blocks']} blocks")
-    return f"{geometry_text}\n{what}; GB/s = 1e9 bytes/s, median of {r['repeats']} timed runs after {r['warmup']} warm-up"
+    if r.get("kind") == "latency":
+        what = (f"latency: {r['requests']} requests of {r['request_blocks']} blocks, {r['concurrency']} in flight; "
+                f"p50/p99 from producer submit to {r['latency_clock']}; baseline: the same requests one at a time")
+    else:
+        what = (f"{r['tokens']} tokens = {r['blocks']} blocks per transfer; GB/s (1e9 B/s) is the median of "
+                f"{r['repeats']} timed transfers after {r['warmup']} warm-up, baselines interleaved")
+    return f"{geometry_text}\n{what}"
 
 
 def write_json(rows: list[dict], path: str) -> None:
@@ -96,7 +100,10 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             continue
         series.setdefault((r["transport"], r["mode"], r["pattern"]), []).append((r["block_bytes"], r["gbps"]))
         if r.get("baseline_gbps"):
-            refs.setdefault((r["transport"], r["baseline"]), []).append((r["block_bytes"], r["baseline_gbps"]))
+            # a socket baseline moves the same bytes whatever the pattern; a raw NIXL one the same descriptors
+            key = (r["transport"], r["baseline"], r["mode"], r["pattern"]) if r["baseline"] == "nixl-raw" \
+                else (r["transport"], r["baseline"], "", "")
+            refs.setdefault(key, []).append((r["block_bytes"], r["baseline_gbps"]))
         if r.get("memcpy_gbps"):
             memcpy.append((r["block_bytes"], r["memcpy_gbps"]))
     colors = {}
@@ -107,15 +114,20 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
         style = {"sequential": "-", "fragmented": "-.", "permuted": ":"}.get(pattern, "-")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, color=color,
                 label=f"kvxfer {transport} {mode} {pattern}")
-    for (transport, name), pts in sorted(refs.items()):
+    for (transport, name, mode, pattern), pts in sorted(refs.items()):
         xs = sorted({p[0] for p in pts})
         ys = [sum(v for x, v in pts if x == k) / sum(1 for x, _ in pts if x == k) for k in xs]
-        ax.plot(xs, ys, "--", color=colors.get(transport, "gray"), alpha=0.7, label=f"baseline {name}")
+        label = " ".join(x for x in ("baseline", name, mode, pattern) if x)
+        ax.plot(xs, ys, "--", color=colors.get(transport, "gray"), alpha=0.6, linewidth=1, label=label)
     if memcpy:
         xs = sorted({p[0] for p in memcpy})
         ys = [max(v for x, v in memcpy if x == k) for k in xs]
         ax.plot(xs, ys, ":", color="gray", label="memcpy (copy limit)")
     ax.set_xscale("log", base=2)
+    ticks = sorted({r["block_bytes"] for r in rows})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([_size(t) for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("bytes per layer-block (descriptor size when nothing coalesces)")
     ax.set_ylabel("GB/s")
     ax.set_ylim(bottom=0)

@@ -1,0 +1,50 @@
+"""Control-protocol encode / decode: the handshake, a 128k-token grant, data headers, block-id packing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvxfer import wire
+
+from conftest import MILLION, fake_layout
+
+
+@pytest.fixture(scope="module")
+def hello():
+    layout = fake_layout(16384, layers=32)
+    return wire.Hello(version=wire.VERSION, peer_id="prefill-0", layout=layout.desc(), transport="tcp",
+                      transport_meta=b"x" * 4096, auth="token")
+
+
+def test_encode_hello(benchmark, hello):
+    frame = benchmark(wire.encode, hello)
+    assert len(frame) > 100
+
+
+def test_decode_hello(benchmark, hello):
+    body = wire.encode(hello)[4:]
+    msg = benchmark(wire.decode, body)
+    assert msg.layout.num_blocks == 16384
+
+
+GRANT = wire.Grant(req="req-123", gen=7, ids=wire.ids_to_bytes(np.arange(8192)))
+WRITE = wire.WriteData(req="req-123", gen=7, ids=wire.ids_to_bytes(np.arange(256)), offset=0, length=512 << 20)
+
+
+@pytest.mark.parametrize("msg", [GRANT, WRITE, wire.Ack(req="req-123", gen=7)], ids=["grant-8192", "write-256", "ack"])
+def test_roundtrip(benchmark, msg):
+    def rt():
+        return wire.decode(wire.encode(msg)[4:])
+
+    assert benchmark(rt) == msg
+
+
+def test_ids_to_bytes_1m(benchmark):
+    ids = np.random.default_rng(0).permutation(MILLION)
+    assert len(benchmark(wire.ids_to_bytes, ids)) == 4 * MILLION
+
+
+def test_ids_from_bytes_1m(benchmark):
+    b = wire.ids_to_bytes(np.arange(MILLION))
+    assert len(benchmark(wire.ids_from_bytes, b, MILLION)) == MILLION
