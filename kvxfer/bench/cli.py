@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--listen", metavar="HOST:PORT",
                    help=f"consumer role: where to listen (default: {DEFAULT_CONSUMER_LISTEN}); "
                         f"both: the loopback address of the child (default: 127.0.0.1:0)")
+    n.add_argument("--serve-forever", action="store_true",
+                   help="consumer role: serve one producer run after another instead of exiting after one")
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: flip a byte
     return p
 
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
 
         try:
             listen_and_serve(args.listen or DEFAULT_CONSUMER_LISTEN, corrupt=args.inject_corruption,
-                             announce=lambda s: print(s, flush=True))
+                             forever=args.serve_forever, announce=lambda s: print(s, flush=True))
         except KeyboardInterrupt:
             return EXIT_FAILED
         return EXIT_OK

@@ -206,16 +206,22 @@ class ConsumerHalf:
         return {}
 
 
-def listen_and_serve(listen: str, *, corrupt: bool = False, announce=print) -> None:
-    """Serve one driver session on ``listen`` (host:port, port 0 picks one), then return."""
+def listen_and_serve(listen: str, *, corrupt: bool = False, forever: bool = False, announce=print) -> None:
+    """Serve one driver session on ``listen`` (host:port, port 0 picks one), then return; with ``forever``,
+    serve one session after another until interrupted."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     server = socket.create_server((host, int(port)))
     shown = host if host not in ("0.0.0.0", "::") else socket.gethostname()
     announce(f"kvxfer-bench consumer listening on {shown}:{server.getsockname()[1]}")
     try:
-        server.settimeout(300)
-        sock, _ = server.accept()
+        while True:
+            server.settimeout(None if forever else 300)
+            sock, peer = server.accept()
+            if forever:
+                announce(f"kvxfer-bench consumer: serving {peer[0]}")
+            ConsumerHalf(Control(sock), host, corrupt=corrupt).serve()
+            if not forever:
+                return
     finally:
         server.close()
-    ConsumerHalf(Control(sock), host, corrupt=corrupt).serve()

@@ -148,8 +148,10 @@ class Driver:
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def steps(self) -> int:
-        per = len(self.s.modes) * len(self.s.patterns)
-        return len(self.s.block_sizes) * len(self.s.transports) * per
+        """Progress units of the whole run: one per transfer (throughput) or per request (latency)."""
+        s = self.s
+        rows = len(s.block_sizes) * len(s.transports) * len(s.modes) * len(s.patterns)
+        return rows * ((s.requests + s.warmup * s.concurrency) if s.latency else (s.warmup + s.repeats))
 
     @property
     def failed(self) -> bool:
@@ -228,7 +230,6 @@ class Driver:
                         row["error"] = f"{type(e).__name__}: {e}"
                     self._finish(row)
                     self.rows.append(row)
-                    self.progress.step()
         finally:
             producer.close()
             if ref is not None:
@@ -312,6 +313,7 @@ class Driver:
                 if timed:
                     times.append(dt)
                     descs.append(self._descriptors(t, src, dst))
+            self.progress.step()
         rates = [nbytes / t / 1e9 for t in times]
         row.update(descriptors=int(np.median(descs)), gbps=_median(rates), gbps_max=max(rates),
                    p50_ms=_pct(times, 50) * 1e3, p99_ms=_pct(times, 99) * 1e3, verified=True,
@@ -343,6 +345,7 @@ class Driver:
             self.progress.note(f"{row['transport']} {mode} {pattern} latency: {done}/{len(timed)} requests")
             records, wall = self._wave(producer, address, mode, wave)
             arrivals = self._collect([[req, _ids(src)] for req, src in wave], row)
+            self.progress.step(len(wave))
             if is_warm:
                 continue
             walls.append(wall)

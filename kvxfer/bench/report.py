@@ -66,7 +66,9 @@ def header(rows: list[dict], geometry_text: str) -> str:
     else:
         what = (f"{r['tokens']} tokens = {r['blocks']} blocks per transfer; GB/s (1e9 B/s) is the median of "
                 f"{r['repeats']} timed transfers after {r['warmup']} warm-up, baselines interleaved")
-    return f"{geometry_text}\n{what}"
+    return (f"{geometry_text}\n{what}\n"
+            f"block = bytes of one block in one layer (what one descriptor moves when nothing coalesces); "
+            f"descs = descriptors after coalescing")
 
 
 def write_json(rows: list[dict], path: str) -> None:
