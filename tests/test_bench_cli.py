@@ -19,7 +19,7 @@ from kvxfer.bench.driver import _waves
 TINY = ["--model", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-size", "16",
         "--tokens", "512", "--repeats", "2", "--warmup", "1", "--quiet"]
 REQUIRED = {"transport", "mode", "pattern", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio",
-            "p50_ms", "p99_ms", "descriptors", "total_bytes", "memcpy_gbps", "verified"}
+            "p50_ms", "p99_ms", "descriptors", "total_bytes", "memcpy_gbps", "verified", "ratio_paired"}
 
 
 def run_cli(tmp_path, *extra):
@@ -46,6 +46,7 @@ def test_cli_two_processes_rows_and_exit_code(tmp_path):
         assert r["verified_bytes"] == (r["repeats"] + r["warmup"]) * r["total_bytes"]
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["memcpy_gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
+        assert r["ratio_paired"] > 0 and len(r["samples_gbps"]) == len(r["baseline_samples_gbps"]) == 2
         assert 0 < r["p50_ms"] <= r["p99_ms"]
     desc = {(r["mode"], r["pattern"]): r["descriptors"] for r in rows}
     assert desc[("push", "sequential")] == 2     # one run per layer region

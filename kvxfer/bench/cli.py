@@ -213,6 +213,13 @@ def main(argv=None) -> int:
                         latency=args.latency, requests=args.requests, concurrency=args.concurrency,
                         request_blocks=args.request_blocks, tcp_streams=args.tcp_streams,
                         deadline=args.deadline, seed=args.seed)
+    producer_bytes, consumer_bytes = memory_needed(settings)
+    need = producer_bytes + (consumer_bytes if args.role == "both" else 0)
+    have = memory_available()
+    if have is not None and need > 0.85 * have:
+        parser.exit(EXIT_USAGE, f"kvxfer-bench: error: this run needs about {need / 2**30:.1f} GiB of memory here "
+                                f"and {have / 2**30:.1f} GiB are available; use fewer --tokens, or put the "
+                                f"consumer half on another machine (--role)\n")
     return run(settings, args, geom_text=geom.describe())
 
 
@@ -224,6 +231,8 @@ def run(settings, args, geom_text: str) -> int:
 
     proc = None
     ctl = None
+    driver = None
+    error = None
     progress = Progress(1, enabled=not args.quiet)
     try:
         if args.role == "both":
@@ -234,20 +243,17 @@ def run(settings, args, geom_text: str) -> int:
         ctl = Control.connect(address)
         driver = Driver(settings, ctl, host, progress)
         progress.total = driver.steps()
-        rows = driver.run()
-    except (ControlError, RuntimeError, OSError) as e:
-        progress.close()
-        print(f"kvxfer-bench: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        driver.run()
+    except (ControlError, RuntimeError, OSError, MemoryError) as e:
+        error = f"{type(e).__name__}: {e}" if not isinstance(e, ControlError) else str(e)
     except KeyboardInterrupt:
-        progress.close()
-        return EXIT_FAILED
+        error = "interrupted"
     finally:
         progress.close()
         if ctl is not None:
             try:
                 ctl.call("quit", timeout=10)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the other half may be gone already
                 pass
             ctl.close()
         if proc is not None:
@@ -257,16 +263,50 @@ def run(settings, args, geom_text: str) -> int:
                 proc.kill()
                 proc.wait()
 
-    print(report.header(rows, geom_text))
-    print(report.table(rows))
-    if args.json:
-        report.write_json(rows, args.json)
-    if args.plot:
-        report.plot(rows, args.plot, title=f"{geom_text.split(':')[0]}, {settings.tokens} tokens")
+    rows = driver.rows if driver is not None else []
+    if rows:
+        print(report.header(rows, geom_text))
+        print(report.table(rows))
+        if args.json:
+            report.write_json(rows, args.json)
+        if args.plot:
+            report.plot(rows, args.plot, title=f"{geom_text.split(':')[0]}, {settings.tokens} tokens")
+    if error is not None:
+        print(f"kvxfer-bench: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     if driver.failed:
         print("kvxfer-bench: FAILED: a transfer failed or delivered wrong bytes (see the table)", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def memory_needed(settings) -> tuple[int, int]:
+    """Bytes the (producer, consumer) halves allocate for the largest geometry of a run."""
+    import dataclasses as dc
+
+    from .patterns import spread
+
+    worst = (0, 0)
+    for bs in settings.block_sizes:
+        g = dc.replace(settings.geometry, block_size=bs)
+        blocks = g.blocks_for(settings.tokens)
+        base = max(blocks, settings.request_blocks[1] * settings.concurrency) if settings.latency else blocks
+        cache = base * max(spread(p) for p in settings.patterns) * g.block_bytes
+        total = max(blocks, settings.request_blocks[1]) * g.block_bytes
+        # producer: source cache, contiguous baseline buffer, memcpy target; consumer: cache, socket buffer
+        worst = max(worst, (cache + 2 * total, cache + total), key=sum)
+    return worst
+
+
+def memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def table(rows: list[dict]) -> str:
     head = ["transport", "mode", "pattern", "block", "total", "descs", "GB/s", "p50 ms", "p99 ms"]
     if latency:
         head += ["req/s"]
-    head += ["baseline", "base GB/s", "ratio", "memcpy", "verified"]
+    head += ["baseline", "base GB/s", "ratio", "paired", "memcpy", "verified"]
     lines = []
     for r in rows:
         cells = [r["transport"], r["mode"], r["pattern"], _size(r["block_bytes"]), _size(r["total_bytes"]),
@@ -36,6 +36,7 @@ def table(rows: list[dict]) -> str:
             cells += [_num(r.get("req_s"), ".0f")]
         cells += [r.get("baseline") or "-", _num(r.get("baseline_gbps"), ".2f"),
                   (_num(r.get("ratio"), ".2f") + "x") if r.get("ratio") else "-",
+                  (_num(r.get("ratio_paired"), ".2f") + "x") if r.get("ratio_paired") else "-",
                   _num(r.get("memcpy_gbps"), ".1f"),
                   "FAILED" if r.get("error") else ("yes" if r.get("verified") else "NO")]
         lines.append(cells)
@@ -68,7 +69,8 @@ def header(rows: list[dict], geometry_text: str) -> str:
                 f"{r['repeats']} timed transfers after {r['warmup']} warm-up, baselines interleaved")
     return (f"{geometry_text}\n{what}\n"
             f"block = bytes of one block in one layer (what one descriptor moves when nothing coalesces); "
-            f"descs = descriptors after coalescing")
+            f"descs = descriptors after coalescing;\nratio = GB/s / base GB/s; paired = median over repeats of "
+            f"each transfer's ratio to the baseline transfer run right beside it")
 
 
 def write_json(rows: list[dict], path: str) -> None:
