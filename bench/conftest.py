@@ -6,8 +6,6 @@ the numbers. They share the cache shapes of ``kvxfer-bench`` (``kvxfer.bench.mod
 
 from __future__ import annotations
 
-import dataclasses
-
 from kvxfer import KVLayout
 from kvxfer.memory import TensorView
 
@@ -28,5 +26,3 @@ def fake_layout(num_blocks: int, layers: int = 1, heads: int = 8, block_size: in
                         strides, itemsize, "bfloat16") for i in range(layers)]
     return KVLayout.from_tensors(views, block_size=block_size)
 
-
-__all__ = ["MILLION", "fake_layout", "dataclasses"]

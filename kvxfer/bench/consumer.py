@@ -30,7 +30,10 @@ def usable(name: str) -> str:
         cls = transports.get(name)
         probe = getattr(cls, "usable", None)
         if probe is not None and not probe():
-            return f"transport {name!r} reports it cannot run here"
+            hint = ""
+            if name == "nixl" and not baselines.nixl_importable():
+                hint = ": no NIXL Python package (pip install 'kvxfer[nixl]')"
+            return f"transport {name!r} cannot run here{hint}"
     except Exception as e:  # noqa: BLE001
         return str(e)
     return ""
