@@ -94,7 +94,9 @@ def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
 
 
 def _wait_readable(sock: socket.socket, check) -> None:
-    while not select.select([sock], [], [], POLL)[0]:
+    poller = select.poll()  # not select.select: it fails for descriptors >= FD_SETSIZE (1024) in busy processes
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    while not poller.poll(POLL * 1000):
         check()
 
 
