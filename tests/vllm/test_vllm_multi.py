@@ -1,0 +1,63 @@
+"""KVXferConnector as one child of vLLM's MultiConnector, beside vLLM's own NixlConnector, both sides real: one
+prefill instance, one batch, requests for the regular P/D pool (Nixl), for kvxfer, for both, and for neither."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_consumer import CacheSpec, block_stream
+
+pytestmark = pytest.mark.vllm
+
+NIXL_KEYS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id"}
+
+
+@pytest.fixture
+def nixl(vh):
+    if not vh.nixl_alias():
+        if os.environ.get("CI"):
+            pytest.fail("NIXL (nixl-cu13) is not importable in CI")
+        pytest.skip("NIXL not installed")
+
+
+def test_multiconnector_beside_nixl_one_batch(vh, nixl, engines, consumers):
+    c = consumers(spec=CacheSpec(num_blocks=64, block_size=32))
+    ktc = vh.multi_ktc({"transport": "tcp", "deadline": 10, "digests": True}, nixl_extra={"kv_lease_duration": 3})
+    # Nixl's CPU worker wants a block size that is a multiple of 32 (CPU attention kernel blocks)
+    e = engines(ktc, block=32, num_blocks=64, max_batched=128, setup=vh.init_single_process_world)
+    assert [type(x).__name__ for x in e.sched.connector._connectors] == ["KVXferConnector", "NixlPullConnector"]
+    assert [type(x).__name__ for x in e.worker.connector._connectors] == ["KVXferConnector", "NixlPullConnector"]
+    assert e.vc.scheduler_config.disable_hybrid_kv_cache_manager is False  # SupportsHMA: HMA stays on
+
+    kvx = {"consumer": c.address}
+    reqs = {
+        "kvx": (100, {"kvxfer": kvx}),
+        "pd": (60, {"do_remote_decode": True}),                      # the regular pool: Nixl's P side
+        "both": (70, {"do_remote_decode": True, "kvxfer": kvx}),     # both children hold its blocks
+        "plain": (50, None),
+        "kvx-chunked": (300, {"kvxfer": kvx}),                       # 128 + 128 + 44 tokens
+    }
+    for i, (rid, (n, params)) in enumerate(reqs.items()):
+        e.add(vh.make_request(rid, n, 1, params, seed=70 + i, block=32))
+    e.run(timeout=30)
+
+    out = {rid: e.outputs[rid]["kv_transfer_params"] for rid in reqs}
+    assert out["plain"] is None
+    assert set(out["kvx"]) == {"kvxfer"} and set(out["kvx-chunked"]) == {"kvxfer"}
+    assert "kvxfer" not in out["pd"] and out["pd"].get("do_remote_prefill") is True
+    assert "kvxfer" in out["both"] and out["both"].get("do_remote_prefill") is True  # merged, no key clash
+    assert set(out["both"]) - {"kvxfer"} == set(out["pd"])
+
+    arrivals = {a["req"]: a for a in (c.get(10) for _ in range(3))}
+    assert sorted(arrivals) == ["both", "kvx", "kvx-chunked"]
+    layout = e.worker.kvxfer.producer.layout
+    orders = {o.req_id: o for o in e.worker.orders}
+    for rid, a in arrivals.items():
+        assert vh.expected_tokens_ok(a, e.prompts[rid], 32) == reqs[rid][0]
+        assert a["blocks"] == [block_stream(layout, b) for b in orders[rid].block_ids]
+    # every held request was released exactly once, after every child that held it reported it
+    assert set(e.finished_sending) == {"kvx", "kvx-chunked", "pd", "both"}
+    e.assert_no_leaks()
+    assert c.stats()["completed"] == 3

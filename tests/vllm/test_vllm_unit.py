@@ -1,0 +1,106 @@
+"""Smaller checks of KVXferConnector against the real vLLM package: loading, claims and settings, every KV layout
+vLLM 0.33 allocates, sleep mode, and what it refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_consumer import CacheSpec, block_stream
+
+pytestmark = pytest.mark.vllm
+
+
+def test_loaded_by_module_path_supports_hma(vh):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    from kvxfer.integrations.vllm import KVXferConnector
+
+    ktc = vh.kvxfer_ktc(transport="tcp")
+    assert KVConnectorFactory.get_connector_class(ktc) is KVXferConnector
+    assert supports_hma(KVXferConnector)
+    vc = vh.make_vllm_config(ktc)
+    assert vc.scheduler_config.disable_hybrid_kv_cache_manager is False
+    assert KVXferConnector.supports_sleep_mode(ktc) is True
+    assert KVXferConnector.get_required_kvcache_layout(vc) is None
+
+
+def test_parse_claim_and_settings(vh):
+    from kvxfer.integrations.vllm import Settings, parse_claim
+
+    s = Settings.from_extra({"transport": "tcp", "deadline": 5, "digests": True,
+                             "allowed_consumers": ["10.0.0.1", "decode-2:7000"]})
+    assert parse_claim(None, "r", s) is None
+    assert parse_claim({"do_remote_decode": True}, "r", s) is None
+    c = parse_claim({"kvxfer": {"consumer": "10.0.0.1:9000", "meta": {"a": [1, 2]}, "deadline": 60}}, "r", s)
+    assert c.error is None and c.transfer_id == "r" and c.deadline == 5 and c.digests is True
+    c = parse_claim({"kvxfer": {"consumer": "decode-2:7000", "request_id": "d-1", "digests": False}}, "r", s)
+    assert c.error is None and c.transfer_id == "d-1" and c.digests is False
+    for bad in ({"kvxfer": None}, {"kvxfer": {}}, {"kvxfer": {"consumer": "decode-2:7001"}},
+                {"kvxfer": {"consumer": "10.0.0.1:1", "meta": "x"}},
+                {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": object()}}},
+                {"kvxfer": {"consumer": "10.0.0.1:1", "deadline": -1}},
+                {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": ""}}):
+        c = parse_claim(bad, "r", s)
+        assert c is not None and c.error, bad
+    with pytest.raises(ValueError):
+        Settings.from_extra({"deadline": 0})
+    with pytest.raises(ValueError):
+        Settings.from_extra({"allowed_consumers": "10.0.0.1"})
+    import os
+    os.environ["KVXFER_TEST_TOKEN"] = "s3cret"
+    assert Settings.from_extra({"auth_env": "KVXFER_TEST_TOKEN"}).auth == "s3cret"
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC"])
+def test_registers_every_vllm_kv_layout(vh, layout):
+    """vLLM's own allocate_kv_cache views (per-layer, NHD / HND / cross-layer interleaved): the registered byte
+    stream of each block is that block of every layer, in memory order."""
+    e = vh.Engine(vh.kvxfer_ktc(transport="tcp"), num_blocks=12, layout=layout)
+    try:
+        lay = e.worker.kvxfer.producer.layout
+        fp = lay.fingerprint
+        assert (fp.num_layers, fp.block_size, fp.dtype) == (2, 16, "bfloat16")
+        assert lay.num_blocks == e.kvc.num_blocks and len(lay.regions) == 1  # one allocation, one region
+        for b in (0, 1, lay.num_blocks - 1):
+            want = b"".join(vh.physical_block_bytes(e.worker.kv_caches[name], b) for name in vh.LAYERS)
+            assert block_stream(lay, b) == want
+    finally:
+        e.close()
+
+
+def test_sleep_mode_unregister_and_restore(vh, engines, consumers):
+    c = consumers(spec=CacheSpec())
+    e = engines(vh.kvxfer_ktc(transport="tcp", deadline=5))
+    w = e.worker.kvxfer
+    first = w.producer
+    w.unregister_kv_caches()
+    assert w.producer is None and first.closed
+    e.add(vh.make_request("asleep", 40, 1, {"kvxfer": {"consumer": c.address}}, seed=81))
+    e.run(timeout=10)  # no registration: the order fails at once and is still reported
+    assert e.finished_sending == {"asleep": 1}
+    w.restore_kv_caches()
+    assert w.producer is not None and w.producer is not first
+    e.add(vh.make_request("awake", 40, 1, {"kvxfer": {"consumer": c.address}}, seed=82))
+    e.run(timeout=10)
+    a = c.get(10)
+    assert a["req"] == "awake" and vh.expected_tokens_ok(a, e.prompts["awake"], 16) == 40
+    e.assert_no_leaks()
+
+
+def test_refuses_consumer_role(vh):
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="KVXferConnector", kv_connector_module_path=vh.MODULE,
+                           kv_role="kv_consumer")
+    with pytest.raises(ValueError, match="producer"):
+        vh.Engine(ktc)
+
+
+def test_pyproject_pins_the_supported_vllm_range():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == ["vllm>=0.32,<0.34"]

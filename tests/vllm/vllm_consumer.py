@@ -1,0 +1,147 @@
+"""A real kvxfer Consumer in its own process, with a paged cache shaped like vLLM's CPU cache, driven through a
+pipe. It never imports vLLM. (Module name is unique on purpose: tests/vllm has no __init__.py, so that this
+directory can never shadow the real ``vllm`` package.)"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+
+_ctx = mp.get_context("spawn")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Per-layer ``[num_blocks, kv_heads, block_size, C]`` tensors (contiguous, as vLLM's LBHNC on CPU)."""
+
+    num_blocks: int = 32
+    layers: int = 2
+    kv_heads: int = 2
+    block_size: int = 16
+    c: int = 128  # 2 * head_size: K and V of a token side by side
+    dtype: str = "bfloat16"
+
+    def tensors(self):
+        """Per-layer views over numpy memory, typed bf16 for the fingerprint (no torch import: fast spawn)."""
+        import numpy as np
+
+        from kvxfer.memory import TensorView
+
+        shape = (self.num_blocks, self.kv_heads, self.block_size, self.c)
+        assert self.dtype == "bfloat16"
+        out = {}
+        for i in range(self.layers):
+            a = np.full(shape, 0xC0E0, dtype=np.uint16)  # bf16 -7.0: a sentinel no producer writes
+            out[f"model.layers.{i}.self_attn.attn"] = TensorView(
+                a.ctypes.data, shape, a.strides, 2, "bfloat16", owner=a)
+        return out
+
+
+def block_stream(layout, block: int) -> bytes:
+    """A block's byte stream (every segment in order), read straight out of a host KVLayout."""
+    from kvxfer.memory import host_buffer
+
+    bufs = [host_buffer(r) for r in layout.regions]
+    out = bytearray()
+    for r, off, stride, n in zip(layout.seg_region.tolist(), layout.seg_offset.tolist(),
+                                 layout.seg_stride.tolist(), layout.seg_bytes.tolist()):
+        start = off + block * stride
+        out += bytes(bufs[r][start:start + n])
+    return bytes(out)
+
+
+def _main(conn, spec: CacheSpec, transport: str, options: dict) -> None:
+    from kvxfer import Consumer, KVLayout
+
+    tensors = spec.tensors()
+    layout = KVLayout.from_tensors(tensors)
+    consumer = Consumer(layout, transport=transport, **options)
+    conn.send(("ready", consumer.address))
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "close":
+                break
+            if cmd == "stats":
+                conn.send(("ok", consumer.stats()))
+            elif cmd == "get":
+                timeout, release = args
+                a = consumer.get(timeout)
+                blocks = [block_stream(layout, int(b)) for b in a.block_ids.tolist()]
+                if release:
+                    consumer.release(a.req)
+                conn.send(("ok", {"req": a.req, "ids": a.block_ids.tolist(), "meta": a.meta, "nbytes": a.nbytes,
+                                  "digests": len(a.digests), "blocks": blocks}))
+            elif cmd == "release":
+                conn.send(("ok", consumer.release(args[0])))
+            else:
+                conn.send(("err", "ValueError", f"unknown command {cmd}"))
+        except Exception as e:  # noqa: BLE001 - typed by name for the parent
+            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
+    consumer.close()
+
+
+class ConsumerError(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class ConsumerProcess:
+    def __init__(self, spec: CacheSpec = CacheSpec(), transport: str = "tcp", **options):
+        self.spec = spec
+        self.conn, child = _ctx.Pipe()
+        self.proc = _ctx.Process(target=_main, args=(child, spec, transport, options), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise TimeoutError("consumer process did not start")
+        status, self.address = self.conn.recv()
+        assert status == "ready"
+
+    def call(self, *cmd, timeout: float = 30):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"consumer did not answer {cmd[0]}")
+        reply = self.conn.recv()
+        if reply[0] == "err":
+            raise ConsumerError(reply[1], reply[2])
+        return reply[1]
+
+    def get(self, timeout: float = 10, release: bool = True) -> dict:
+        return self.call("get", timeout, release, timeout=timeout + 10)
+
+    def stats(self) -> dict:
+        return self.call("stats")
+
+    def release(self, req: str) -> bool:
+        return self.call("release", req)
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def cont(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        try:
+            self.cont()
+        except ProcessLookupError:
+            pass
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(10)
+        self.kill()
