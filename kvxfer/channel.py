@@ -58,37 +58,20 @@ def _advance(views: list[memoryview], i: int, batch: list[memoryview], k: int) -
     return i
 
 
-def send_views(sock: socket.socket, views: list[memoryview], on_idle=None) -> None:
-    """Gather-send every byte of ``views`` (registered memory), handling partial sends.
-
-    With a socket timeout set, ``on_idle`` runs whenever the socket stayed unwritable that long; it raises to
-    abandon the transfer (cancel, deadline) and otherwise the send goes on.
-    """
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Gather-send every byte of ``views`` (registered memory), handling partial sends."""
     i, n = 0, len(views)
     while i < n:
         batch = views[i:i + IOV_MAX]
-        try:
-            sent = sock.sendmsg(batch)
-        except socket.timeout:
-            if on_idle is None:
-                raise
-            on_idle()
-            continue
-        i = _advance(views, i, batch, sent)
+        i = _advance(views, i, batch, sock.sendmsg(batch))
 
 
-def recv_views(sock: socket.socket, views: list[memoryview], on_idle=None) -> None:
-    """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (registered memory); see ``send_views``."""
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (registered memory)."""
     i, n = 0, len(views)
     while i < n:
         batch = views[i:i + IOV_MAX]
-        try:
-            got = sock.recvmsg_into(batch)[0]
-        except socket.timeout:
-            if on_idle is None:
-                raise
-            on_idle()
-            continue
+        got = sock.recvmsg_into(batch)[0]
         if got == 0:
             raise PeerError("connection closed by peer mid-transfer")
         i = _advance(views, i, batch, got)

@@ -65,7 +65,7 @@ class Transfer:
         self.status = Status.PENDING
         self.error: KVXferError | None = None
         self.nbytes = len(src_ids) * block_bytes
-        self.descriptors = 0
+        self._descriptors: int | Callable[[], int] = 0
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
         self.layers: list[int] | None = None   # one part of a multi-sender push: only these layers
@@ -98,6 +98,13 @@ class Transfer:
                 self._on_cancel(self, reason)
             return True
         return False
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the transfer cost after coalescing (planned again on first access, off the hot path)."""
+        if callable(self._descriptors):
+            self._descriptors = self._descriptors()
+        return self._descriptors
 
     @property
     def seconds(self) -> float:
@@ -464,7 +471,7 @@ class Producer(_Endpoint):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
             if t.layers is None:
-                t.descriptors = s.link.descriptors(t.src_ids, dst)
+                t._descriptors = lambda: s.link.descriptors(t.src_ids, dst)
                 moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
             else:
                 moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, layers=t.layers)

@@ -164,50 +164,73 @@ def _offsets(side: Side, ids: np.ndarray) -> np.ndarray:
     return (side.offset[:, None] + side.stride[:, None] * ids[None, :]).ravel()
 
 
-def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
-    """Piece-major extents for each (side, ids), merged where adjacent on every given side.
+RARE_MERGES = 0.01  # below this share of merges, extents stay unmerged: merging is optional, gathers are not free
 
-    Constant columns (one region, one length) come back as zero-copy broadcasts; for a single piece the
-    adjacency test runs on the ids themselves with one scratch buffer (page faults of fresh arrays dominate).
-    """
+
+def _unmerged(sides, offs, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """Every piece x block as its own extent; constant columns as zero-copy broadcasts."""
+    total = len(nbytes) * n
+    out = []
+    for (s, _), off in zip(sides, offs):
+        same = bool((s.region == s.region[0]).all())
+        out += [np.broadcast_to(s.region[0], total) if same else np.repeat(s.region, n), off]
+    one_len = bool((nbytes == nbytes[0]).all())
+    run = np.broadcast_to(nbytes[0], total) if one_len else np.repeat(nbytes, n)
+    return (*out, run)
+
+
+def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """One piece: adjacency is a property of the ids alone (when blocks are packed), and offsets are computed
+    only where runs start. Page faults of fresh 8-byte arrays dominate at a million blocks."""
+    size = int(nbytes[0])
+    if n == 1 or any(int(s.stride[0]) != size for s, _ in sides):
+        return _unmerged(sides, [_offsets(s, ids) for s, ids in sides], nbytes, n)
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    scratch = np.empty(n - 1, dtype=np.int64)
+    hits = np.empty(n - 1, dtype=bool)
+    for i, (_, ids) in enumerate(sides):
+        np.add(ids[:-1], 1, out=scratch)
+        np.not_equal(ids[1:], scratch, out=brk[1:] if i == 0 else hits)
+        if i:
+            brk[1:] |= hits
+    runs = int(np.count_nonzero(brk))
+    if runs > n * (1 - RARE_MERGES):
+        return _unmerged(sides, [_offsets(s, ids) for s, ids in sides], nbytes, n)
+    starts = np.flatnonzero(brk)
+    out = []
+    for s, ids in sides:
+        off = ids[starts] * s.stride[0]
+        off += s.offset[0]
+        out += [np.broadcast_to(s.region[0], runs), off]
+    run = np.diff(np.append(starts, n)) * size
+    return (*out, run)
+
+
+def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """Piece-major extents for each (side, ids), merged where adjacent on every given side."""
     p = len(nbytes)
+    if p == 1:
+        return _single_piece(sides, nbytes, n)
     total = p * n
     offs = [_offsets(s, ids) for s, ids in sides]
-    brk = np.ones(total, dtype=bool)
-    if p == 1:
-        if total > 1 and all(s.stride[0] == nbytes[0] for s, _ in sides):
-            scratch = np.empty(n - 1, dtype=np.int64)
-            hits = np.empty(n - 1, dtype=bool)
-            for i, (_, ids) in enumerate(sides):
-                np.add(ids[:-1], 1, out=scratch)
-                np.not_equal(ids[1:], scratch, out=brk[1:] if i == 0 else hits)
-                if i:
-                    brk[1:] |= hits
-    elif total > 1:
-        lens = np.repeat(nbytes, n)
-        scratch = np.empty(total - 1, dtype=np.int64)
-        hits = np.empty(total - 1, dtype=bool)
-        brk[1:] = False
-        for off in offs:
-            np.add(off[:-1], lens[:-1], out=scratch)
-            np.not_equal(off[1:], scratch, out=hits)
-            brk[1:] |= hits
-        change = np.zeros(p, dtype=bool)
-        for s, _ in sides:
-            change[1:] |= s.region[1:] != s.region[:-1]
-        brk[np.flatnonzero(change) * n] = True
-    one_len = bool((nbytes == nbytes[0]).all())
-    if brk.all():  # nothing merges (permuted ids): no gathers
-        piece = None
-        out = []
-        for (s, _), off in zip(sides, offs):
-            same = bool((s.region == s.region[0]).all())
-            out += [np.broadcast_to(s.region[0], total) if same else np.repeat(s.region, n), off]
-        run = np.broadcast_to(nbytes[0], total) if one_len else np.repeat(nbytes, n)
-        return (*out, run)
+    lens = np.repeat(nbytes, n)
+    brk = np.zeros(total, dtype=bool)
+    brk[0] = True
+    scratch = np.empty(total - 1, dtype=np.int64)
+    hits = np.empty(total - 1, dtype=bool)
+    for off in offs:
+        np.add(off[:-1], lens[:-1], out=scratch)
+        np.not_equal(off[1:], scratch, out=hits)
+        brk[1:] |= hits
+    change = np.zeros(p, dtype=bool)
+    for s, _ in sides:
+        change[1:] |= s.region[1:] != s.region[:-1]
+    brk[np.flatnonzero(change) * n] = True
     starts = np.flatnonzero(brk)
-    lens = np.repeat(nbytes, n) if not one_len else None
-    run = np.add.reduceat(lens, starts) if lens is not None else np.diff(np.append(starts, total)) * nbytes[0]
+    if len(starts) > total * (1 - RARE_MERGES):
+        return _unmerged(sides, offs, nbytes, n)
+    run = np.add.reduceat(lens, starts)
     piece = starts // n
     out = []
     for (s, _), off in zip(sides, offs):

@@ -10,6 +10,7 @@ move in parallel on separate connections. No byte is copied through a Python obj
 
 from __future__ import annotations
 
+import itertools
 import queue
 import select
 import socket
@@ -26,7 +27,77 @@ from ..memory import HOST, host_buffer
 from ..plan import Extents, extents
 from .base import Link, Peer, Transport
 
-POLL = 0.25  # how often a blocked data socket looks at cancel / deadline / ticket state
+POLL = 0.25  # how often a wait for a reply looks at cancel / deadline
+WATCH = 0.05  # how often the watchdog looks at the transfers moving on blocking sockets
+
+
+class _Watchdog:
+    """Stops transfers that must stop while their socket is blocked in ``sendmsg`` / ``recvmsg_into``.
+
+    Data moves on blocking sockets: a socket timeout would make Python poll before every call and split the
+    copy into many short non-blocking calls (measured: about 9% of loopback goodput). Cancel, deadlines and
+    failed grants are enforced from this one thread instead, by shutting the socket down under the mover.
+    """
+
+    def __init__(self):
+        self._items: dict[int, tuple[socket.socket, object]] = {}
+        self._why: dict[int, BaseException] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, sock: socket.socket, check) -> int:
+        with self._lock:
+            token = next(self._ids)
+            self._items[token] = (sock, check)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="kvxfer-tcp-watchdog")
+                self._thread.start()
+        return token
+
+    def unwatch(self, token: int) -> BaseException | None:
+        """Stop watching; the reason the watchdog shut the socket down, if it did."""
+        with self._lock:
+            self._items.pop(token, None)
+            return self._why.pop(token, None)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(WATCH):
+            with self._lock:
+                items = list(self._items.items())
+            for token, (sock, check) in items:
+                try:
+                    check()
+                except BaseException as e:  # noqa: BLE001 - any reason to stop is recorded for the mover
+                    with self._lock:
+                        if self._items.pop(token, None) is None:
+                            continue
+                        self._why[token] = e
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    def guarded(self, sock: socket.socket, check, move) -> None:
+        """Run ``move()`` on ``sock`` in blocking mode, stopped early (with ``check``'s error) if it must."""
+        token = self.watch(sock, check)
+        sock.settimeout(None)
+        try:
+            move()
+        except (OSError, KVXferError):
+            why, token = self.unwatch(token), None
+            if why is not None:
+                raise why from None
+            raise
+        finally:
+            if token is not None:
+                why = self.unwatch(token)
+                if why is not None:  # fired as the move ended: the socket is shut, the caller drops it
+                    raise why
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class TcpTransport(Transport):
@@ -40,6 +111,7 @@ class TcpTransport(Transport):
         self.window_min = window_min
         self.bufs = [host_buffer(r) for r in layout.regions]
         self.links: dict[int, TcpLink] = {}
+        self.watchdog = _Watchdog()
         self._lock = threading.Lock()
 
     def views(self, ext: Extents) -> list[memoryview]:
@@ -78,6 +150,7 @@ class TcpTransport(Transport):
             links, self.links = list(self.links.values()), {}
         for link in links:
             link.close()
+        self.watchdog.close()
 
 
 def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
@@ -219,8 +292,8 @@ class TcpLink(Link):
             ch = self._checkout_push(check)
             try:
                 ch.send(wire.WriteData(req=req, gen=gen, ids=ids, offset=offset, length=length))
-                ch.sock.settimeout(POLL)
-                send_views(ch.sock, self.t.views(ext.window(offset, length)), check)
+                views = self.t.views(ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, lambda: send_views(ch.sock, views))
                 _wait_readable(ch.sock, check)
                 reply = ch.recv(remaining(deadline))
             except BaseException:
@@ -268,8 +341,8 @@ class TcpLink(Link):
                         if self.closed:
                             raise PeerError("link closed")
 
-                    sock.settimeout(POLL)
-                    recv_views(sock, self.t.views(ext.window(msg.offset, msg.length)), check)
+                    views = self.t.views(ext.window(msg.offset, msg.length))
+                    self.t.watchdog.guarded(sock, check, lambda: recv_views(sock, views))
                 except BaseException as e:
                     host.end_write(ticket, 0, e)
                     if isinstance(e, KVXferError) and not isinstance(e, PeerError):
@@ -311,8 +384,8 @@ class TcpLink(Link):
                     raise from_code(reply.code, reply.message)
                 if reply.length != length:
                     raise ProtocolError(f"asked for {length} bytes, peer sends {reply.length}")
-                ch.sock.settimeout(POLL)
-                recv_views(ch.sock, self.t.views(ext.window(offset, length)), check)
+                views = self.t.views(ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, lambda: recv_views(ch.sock, views))
             except BaseException:
                 if ch is not None:
                     self._drop(ch)
@@ -348,8 +421,8 @@ class TcpLink(Link):
                         if self.closed:
                             raise PeerError("link closed")
 
-                    sock.settimeout(POLL)
-                    send_views(sock, self.t.views(ext.window(msg.offset, msg.length)), check)
+                    views = self.t.views(ext.window(msg.offset, msg.length))
+                    self.t.watchdog.guarded(sock, check, lambda: send_views(sock, views))
                 except BaseException as e:
                     host.end_read(ticket, 0, e)
                     raise
