@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import threading
@@ -116,24 +115,10 @@ class SocketSender:
 
 
 # ---- raw NIXL --------------------------------------------------------------------------------------------
-def nixl_api():
-    """NIXL's Python API module: the ``nixl`` meta-package if installed, else a CUDA-flavoured wheel
-    (``nixl-cu13`` / ``nixl-cu12``, what ``kvxfer[nixl]`` installs)."""
-    import importlib
-    import importlib.util
-
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    names = ("nixl._api",) if importlib.util.find_spec("nixl") else ("nixl_cu13._api", "nixl_cu12._api")
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise ImportError("no NIXL Python package (pip install 'kvxfer[nixl]')")
-
-
 def nixl_importable() -> bool:
     try:
+        from ..transports.nixl import nixl_api
+
         nixl_api()
     except Exception:  # noqa: BLE001 - any failure to load means "not here"
         return False
@@ -144,6 +129,8 @@ class RawNixl:
     """One NIXL agent (UCX backend, no progress thread: the caller polls) over a cache's host regions."""
 
     def __init__(self, name: str, regions):
+        from ..transports.nixl import nixl_api
+
         api = nixl_api()
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.regions = list(regions)

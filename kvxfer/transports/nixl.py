@@ -30,7 +30,7 @@ _NOTIF = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
 
 
-def _api():
+def nixl_api():
     """NIXL's Python API: the ``nixl`` meta-package if installed (it picks the wheel matching the CUDA
     driver, which takes seconds), else the one CUDA-flavoured wheel that is (``kvxfer[nixl]`` on CPU)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -58,7 +58,7 @@ class NixlTransport(Transport):
     @staticmethod
     def usable() -> bool:
         try:
-            _api()
+            nixl_api()
             return True
         except ImportError:
             return False
@@ -66,7 +66,7 @@ class NixlTransport(Transport):
     def __init__(self, layout, host, *, auth: str = "", num_threads: int = 0, backends=("UCX",),
                  poll_interval: float = 0.0005, **_):
         super().__init__(layout, host, auth=auth)
-        api = _api()
+        api = nixl_api()
         self.mem_type = "DRAM" if layout.device == HOST else "VRAM"
         self.poll_interval = poll_interval
         config = api.nixl_agent_config(enable_prog_thread=False, num_threads=num_threads, backends=list(backends))
