@@ -104,3 +104,42 @@ def test_pyproject_pins_the_supported_vllm_range():
     root = pathlib.Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == ["vllm>=0.32,<0.34"]
+
+
+def test_kernel_blocks_smaller_than_manager_blocks(vh, consumers):
+    """vLLM may split each 16-token manager block into kernel blocks (here 2 x 8 tokens, as the attention backend
+    asks): the worker ships manager block b as kernel blocks 2b, 2b+1, byte for byte."""
+    import time
+
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
+
+    c = consumers(spec=CacheSpec(num_blocks=16, block_size=8))
+    vc = vh.make_vllm_config(vh.kvxfer_ktc(transport="tcp", deadline=10, digests=True))
+    kvc = vh.make_kv_cache_config(vc, 12)
+    kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel_block_sizes=[8])
+    for t in {id(t): t for t in kv.values()}.values():
+        t.view(torch.int16).copy_(torch.randint(-3000, 3000, t.shape, dtype=torch.int16))
+    w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+    try:
+        w.register_kv_caches(kv)
+        lay = w.producer.layout
+        assert w._ratio == 2 and lay.num_blocks == 2 * kvc.num_blocks and lay.fingerprint.block_size == 8
+        order = ShipOrder(req_id="k", transfer_id="k", consumer=c.address, block_ids=[3, 5], num_tokens=30,
+                          attempt=1, deadline=10, digests=True, meta={})
+        w.bind_connector_metadata(KVXferConnectorMetadata(ship=[order]))
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        a = c.get(10)
+        assert a["blocks"] == [block_stream(lay, b) for b in (6, 7, 10, 11)] and a["digests"] == 16
+        end = time.monotonic() + 5
+        while w.pending().get("k") != "done" and time.monotonic() < end:
+            time.sleep(0.01)
+        assert w.pending()["k"] == "done"
+    finally:
+        w.shutdown()
