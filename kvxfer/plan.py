@@ -238,13 +238,19 @@ def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) 
     return (*out, run.astype(np.int64))
 
 
-def make_plan(pairing: Pairing, src_ids, dst_ids, src_blocks: int, dst_blocks: int) -> Plan:
-    """Two-sided plan from side ``a`` (source) blocks ``src_ids`` to side ``b`` (destination) ``dst_ids``."""
+def make_plan(pairing: Pairing, src_ids, dst_ids, src_blocks: int, dst_blocks: int, *,
+              coalesce: bool = True) -> Plan:
+    """Two-sided plan from side ``a`` (source) blocks ``src_ids`` to side ``b`` (destination) ``dst_ids``.
+    ``coalesce=False`` keeps one descriptor per piece and block (a baseline for what coalescing saves)."""
     s = check_ids(src_ids, src_blocks, "source block ids")
     d = check_ids(dst_ids, dst_blocks, "destination block ids")
     if len(s) != len(d):
         raise BlockError(f"{len(s)} source blocks but {len(d)} destination blocks")
-    sr, so, dr, do, nb = _coalesce([(pairing.a, s), (pairing.b, d)], pairing.nbytes, len(s))
+    sides = [(pairing.a, s), (pairing.b, d)]
+    if coalesce:
+        sr, so, dr, do, nb = _coalesce(sides, pairing.nbytes, len(s))
+    else:
+        sr, so, dr, do, nb = _unmerged(sides, [_offsets(x, ids) for x, ids in sides], pairing.nbytes, len(s))
     return Plan(Extents(sr, so, nb), Extents(dr, do, nb))
 
 

@@ -96,3 +96,9 @@ def test_pairing_restricted_to_layers():
         layer_ranges(a, [4])
     with pytest.raises(BlockError):
         pair(a, b, [[10, 5]])
+
+
+def test_plan_without_coalescing_has_one_descriptor_per_piece_and_block():
+    a = _layout("per")
+    plan = make_plan(pair(a, a), np.arange(32), np.arange(32), 32, 32, coalesce=False)
+    assert len(plan) == 3 * 32 and plan.total == 32 * a.block_bytes

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--request-blocks", type=_range, default=(1, 16), metavar="LO-HI",
                    help="latency mode: blocks per request, uniform (default: 1-16)")
     r.add_argument("--tcp-streams", type=int, default=1, help="tcp transport: parallel data connections (default: 1)")
+    r.add_argument("--nixl-baseline", choices=["same", "per-block"], default="same",
+                   help="nixl rows: raw NIXL with kvxfer's coalesced descriptors (same), or one per layer-block "
+                        "(per-block: what coalescing saves)")
     r.add_argument("--deadline", type=float, default=60.0, help="seconds any one transfer may take (default: 60)")
     r.add_argument("--seed", type=int, default=0, help="seed of the cache contents and block ids")
 
@@ -212,6 +215,7 @@ def main(argv=None) -> int:
                         modes=args.mode, patterns=args.pattern, repeats=args.repeats, warmup=args.warmup,
                         latency=args.latency, requests=args.requests, concurrency=args.concurrency,
                         request_blocks=args.request_blocks, tcp_streams=args.tcp_streams,
+                        nixl_baseline=args.nixl_baseline,
                         deadline=args.deadline, seed=args.seed)
     producer_bytes, consumer_bytes = memory_needed(settings)
     need = producer_bytes + (consumer_bytes if args.role == "both" else 0)

@@ -45,6 +45,7 @@ class Settings:
     concurrency: int = 8
     request_blocks: tuple[int, int] = (1, 16)
     tcp_streams: int = 1
+    nixl_baseline: str = "same"
     deadline: float = 60.0
     seed: int = 0
 
@@ -91,17 +92,21 @@ class _NixlRef:
 
     name = "nixl-raw"
 
-    def __init__(self, drv: "Driver"):
+    def __init__(self, drv: "Driver", per_block: bool = False):
         self.drv = drv
         self.agent = baselines.RawNixl(f"kvxfer-bench-producer-{time.monotonic_ns()}", drv.layout.regions)
         meta = drv.ctl.call("nixl_open")["meta"]
         self.peer = self.agent.add_peer(meta)
         self.me = drv.ctl.call("nixl_peer", meta=self.agent.metadata())["name"]
         self.count = 0
+        self.coalesce = not per_block
+        if per_block:
+            self.name = "nixl-block"
 
     def once(self, mode: str, src_ids, dst_ids) -> float:
         drv = self.drv
-        plan = make_plan(drv.pairing, src_ids, dst_ids, drv.layout.num_blocks, drv.remote.num_blocks)
+        plan = make_plan(drv.pairing, src_ids, dst_ids, drv.layout.num_blocks, drv.remote.num_blocks,
+                         coalesce=self.coalesce)
         local = self.agent.descs(drv.layout.regions, plan.src)
         remote = self.agent.descs(drv.remote.regions, plan.dst)
         self.count += 1
@@ -218,7 +223,7 @@ class Driver:
                 elif name == "nixl":
                     if not (self.hello.get("nixl_raw") and baselines.nixl_importable()):
                         raise RuntimeError("nixl bindings are not importable on both halves")
-                    ref = _NixlRef(self)
+                    ref = _NixlRef(self, per_block=s.nixl_baseline == "per-block")
             except Exception as e:  # noqa: BLE001 - a missing baseline leaves the ratio empty, not the row
                 ref_error = f"{type(e).__name__}: {e}"
             for mode in s.modes:
