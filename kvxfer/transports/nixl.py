@@ -11,12 +11,14 @@ notifications (which also progresses the passive side).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import os
 import threading
 import time
 import uuid
+import weakref
 
 import msgspec
 import numpy as np
@@ -28,6 +30,17 @@ from .base import Link, Peer, Transport
 
 _NOTIF = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
+
+
+_LIVE: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Destroy NIXL agents while the interpreter is whole: one torn down during finalisation aborts the
+    process ("terminate called without an active exception")."""
+    for t in list(_LIVE):
+        t.close()
 
 
 def nixl_api():
@@ -84,15 +97,21 @@ class NixlTransport(Transport):
         self.closed = False
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="kvxfer-nixl-poll")
         self._poller.start()
+        _LIVE.add(self)
+
+    def _live_agent(self):
+        if self.agent is None:
+            raise PeerError("NIXL transport closed")
+        return self.agent
 
     def local_meta(self) -> bytes:
         with self.lock:
-            return self.agent.get_agent_metadata()
+            return self._live_agent().get_agent_metadata()
 
     def connect(self, peer: Peer) -> "NixlLink":
         try:
             with self.lock:
-                name = self.agent.add_remote_agent(peer.meta)
+                name = self._live_agent().add_remote_agent(peer.meta)
         except Exception as e:  # noqa: BLE001
             raise _error(e, "adding the peer's NIXL agent") from None
         name = name.decode() if isinstance(name, bytes) else name
@@ -111,7 +130,7 @@ class NixlTransport(Transport):
             link.closed = True
             if link.remote not in {x.remote for x in self.links.values()}:
                 try:
-                    self.agent.remove_remote_agent(link.remote)
+                    self._live_agent().remove_remote_agent(link.remote)
                 except Exception:  # noqa: BLE001 - a dead peer may already be gone
                     pass
 
@@ -122,7 +141,7 @@ class NixlTransport(Transport):
         while not self.closed:
             try:
                 with self.lock:
-                    if self.closed:
+                    if self.closed or self.agent is None:
                         return
                     notifs = self.agent.get_new_notifs()
             except Exception:  # noqa: BLE001 - keep polling; a broken peer shows up on its own transfers
@@ -142,22 +161,26 @@ class NixlTransport(Transport):
             time.sleep(idle)
 
     def close(self) -> None:
+        """Release every NIXL resource now: remote agents, the registration, and the agent itself."""
         if self.closed:
             return
         self.closed = True
         self._poller.join(1.0)
         with self.lock:
+            agent, self.agent = self.agent, None
             for name in {x.remote for x in self.links.values()}:
                 try:
-                    self.agent.remove_remote_agent(name)
+                    agent.remove_remote_agent(name)
                 except Exception:  # noqa: BLE001
                     pass
             self.links.clear()
             self.by_agent.clear()
             try:
-                self.agent.deregister_memory(self.reg)
+                agent.deregister_memory(self.reg)
             except Exception:  # noqa: BLE001
                 pass
+            del agent  # the last reference: the C++ agent is destroyed here, not at interpreter exit
+        _LIVE.discard(self)
 
 
 class NixlLink(Link):
@@ -190,6 +213,8 @@ class NixlLink(Link):
     def _run(self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float,
              cancel: threading.Event) -> None:
         agent, lock = self.t.agent, self.t.lock
+        if agent is None:
+            raise PeerError("NIXL transport closed")
         handle = None
         try:
             with lock:
