@@ -39,6 +39,7 @@ from .transports.base import Peer
 log = logging.getLogger("kvxfer")
 
 REAP_INTERVAL = 0.02
+_attempts = itertools.count(1)  # every push is an attempt of its own: answers name it
 
 
 class Status(str, enum.Enum):
@@ -66,6 +67,7 @@ class Transfer:
         self.error: KVXferError | None = None
         self.nbytes = len(src_ids) * block_bytes
         self._descriptors: int | Callable[[], int] = 0
+        self.attempt = next(_attempts)
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
         self.layers: list[int] | None = None   # one part of a multi-sender push: only these layers
@@ -368,7 +370,7 @@ class Producer(_Endpoint):
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         try:
             s = self._enroll(t)
-            s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids),
+            s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids), attempt=t.attempt,
                               deadline_ms=_ms(t.deadline - time.monotonic()), meta=t.meta,
                               **({"senders": senders, "part": part, "layers": t.layers} if senders > 1 else {})))
         except KVXferError as e:
@@ -433,6 +435,8 @@ class Producer(_Endpoint):
             raise from_code(msg.code, msg.message)
         if t is None:
             return  # a late answer for a transfer that already ended
+        if getattr(msg, "attempt", 0) and msg.attempt != t.attempt:
+            return  # the answer to an earlier attempt of the same request id
         if isinstance(msg, wire.Grant) and t.kind == "push" and t.status is Status.PENDING:
             self._granted(s, t, msg)
         elif isinstance(msg, wire.Busy):
@@ -721,7 +725,9 @@ class Consumer(_Endpoint):
                 slot = self.grants.active.get(msg.req)
                 pull = s.pulls.get(msg.req)
             ours = (pull is not None and slot.peer == s.sid) if slot is not None else False
-            if slot is not None and (ours or (s.sid, msg.gen) in slot.members()):
+            # gen 0: the producer cancelled before our grant reached it; it means this session's live part
+            mine = [g for sid, g in slot.members() if sid == s.sid] if slot is not None else []
+            if slot is not None and (ours or msg.gen in mine or (msg.gen == 0 and mine)):
                 self._fail_slot(slot, CancelledError(f"producer cancelled: {msg.reason}"))
                 if slot.senders > 1:
                     self._tell_members(slot, lambda _, gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason),
@@ -733,8 +739,8 @@ class Consumer(_Endpoint):
             return
         raise ProtocolError(f"unexpected {type(msg).__name__} on a control connection")
 
-    def _refuse(self, s: _ConsumerSession, req: str, gen: int, e: KVXferError) -> None:
-        s.send(wire.Error(req=req, gen=gen, code=e.code, message=str(e)))
+    def _refuse(self, s: _ConsumerSession, req: str, gen: int, e: KVXferError, attempt: int = 0) -> None:
+        s.send(wire.Error(req=req, gen=gen, code=e.code, message=str(e), attempt=attempt))
 
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
@@ -748,12 +754,12 @@ class Consumer(_Endpoint):
         except BusyError as e:
             with self._lock:
                 self.counters["rejected"] += 1
-            s.send(wire.Busy(req=msg.req, retry_after_ms=_ms(e.retry_after), reason=str(e)))
+            s.send(wire.Busy(req=msg.req, retry_after_ms=_ms(e.retry_after), reason=str(e), attempt=msg.attempt))
             return
         except KVXferError as e:
             with self._lock:
                 self.counters["rejected"] += 1
-            return self._refuse(s, msg.req, 0, e)
+            return self._refuse(s, msg.req, 0, e, msg.attempt)
         for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
             self._tell_members(old, lambda _, gen: wire.Error(req=old.req, gen=gen, code=StaleError.code,
                                                               message=f"request {old.req!r} superseded"),
@@ -764,7 +770,7 @@ class Consumer(_Endpoint):
         else:
             gen = slot.gen
             slot.meta = dict(msg.meta)
-        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids)))
+        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
         with self._lock:

@@ -99,18 +99,21 @@ class Admit(_Msg, tag="admit"):
     senders: int = 1
     part: int = 0
     layers: Union[list[int], None] = None
+    attempt: int = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
 
 
 class Grant(_Msg, tag="grant"):
     req: str
     gen: int
     ids: bytes
+    attempt: int = 0
 
 
 class Busy(_Msg, tag="busy"):
     req: str
     retry_after_ms: int
     reason: str = ""
+    attempt: int = 0
 
 
 class Offer(_Msg, tag="offer"):
@@ -160,6 +163,7 @@ class Error(_Msg, tag="error"):
     code: str
     message: str
     gen: int = 0
+    attempt: int = 0  # set when answering an Admit
 
 
 class DataHello(_Msg, tag="data_hello"):

@@ -139,3 +139,22 @@ def test_writing_outside_the_grant_is_refused(consumers, producers):
     from .peers import wait_for
 
     wait_for(lambda: consumer.stats()["inflight"] == 0 and consumer.stats()["free_blocks"] == 64 - 10, 5)
+
+
+def test_answers_name_the_attempt_and_a_cancel_before_the_grant_frees_it(consumers, transport):
+    from .peers import wait_for
+
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    raw.hello(consumer.layout, transport)
+    raw.send(wire.Admit(req="a", num_blocks=4, deadline_ms=10_000, attempt=7))
+    grant = raw.recv()
+    assert isinstance(grant, wire.Grant) and grant.attempt == 7
+    raw.send(wire.Admit(req="b", num_blocks=1000, deadline_ms=10_000, attempt=8))
+    busy = raw.recv()
+    assert isinstance(busy, wire.Busy) and busy.attempt == 8
+    # the producer gave up on "c" before its grant arrived: a Cancel naming no generation releases it
+    raw.send(wire.Admit(req="c", num_blocks=5, deadline_ms=10_000, attempt=9))
+    raw.send(wire.Cancel(req="c", gen=0, reason="gave up"))
+    wait_for(lambda: consumer.stats()["free_blocks"] == 64 - 4, 5)
+    raw.close()
