@@ -4,9 +4,6 @@ duplicate Done)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 import traceback
@@ -14,8 +11,7 @@ import traceback
 import numpy as np
 
 from conformance.kvspec import Spec
-
-_ctx = mp.get_context("spawn")
+from procs import PipedProcess, RemoteError  # noqa: F401 - RemoteError is what the tests catch
 
 
 def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
@@ -33,7 +29,7 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
 
     producer._move = held_move
     inflight, retrying = {}, {}
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", None))
     while True:
         try:
             cmd, *args = conn.recv()
@@ -99,47 +95,15 @@ def _quiet(fn) -> None:
         pass
 
 
-class RemoteError(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
-
-
-class Sender:
+class Sender(PipedProcess):
     """A kvxfer Producer in its own process, its KV filled with bytes seeded by ``seed``."""
+
+    what = "producer process"
 
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
         self.spec, self.seed = spec, seed
-        self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_main, args=(child, spec, transport, seed, options), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise TimeoutError("producer process did not start")
-        status, self.pid = self.conn.recv()
-        assert status == "ready"
-
-    def call(self, *cmd, timeout: float = 60):
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"producer process did not answer {cmd[0]}")
-        reply = self.conn.recv()
-        if reply[0] == "err":
-            raise RemoteError(reply[1], reply[2])
-        return reply[1]
+        super().__init__(_main, spec, transport, seed, options)
 
     def push(self, address, req, ids, wait=True, retry=False, **kwargs):
         return self.call("push", address, req, list(map(int, ids)), kwargs, wait, retry)
 
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        self.kill()

@@ -3,17 +3,14 @@ through a pipe. The parent holds the other side, so every test moves bytes betwe
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import time
 import traceback
 
 import numpy as np
 
-from .kvspec import Spec
+from procs import PipedProcess, RemoteError
 
-_ctx = mp.get_context("spawn")
+from .kvspec import Spec
 
 
 def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
@@ -22,7 +19,7 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
     tensors, kw, _, raw = spec.build(seed=seed)
     producer = Producer(spec.layout(tensors, kw), transport=transport, **options)
     inflight = {}
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", None))
     while True:
         try:
             cmd, *args = conn.recv()
@@ -63,33 +60,16 @@ def _summary(t) -> dict:
             "descriptors": t.descriptors}
 
 
-class PeerError(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
+PeerError = RemoteError  # what the conformance tests catch: an exception raised in the peer process
 
 
-class ProducerProcess:
+class ProducerProcess(PipedProcess):
     """A kvxfer Producer in its own process, filled with seeded random bytes."""
 
+    what = "producer process"
+
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
-        self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_producer_main, args=(child, spec, transport, seed, options), daemon=True)
-        self.proc.start()
-        status, self.pid = self._recv(60)
-        assert status == "ready"
-
-    def _recv(self, timeout: float):
-        if not self.conn.poll(timeout):
-            raise TimeoutError("peer process did not answer")
-        return self.conn.recv()
-
-    def call(self, *cmd, timeout: float = 60):
-        self.conn.send(cmd)
-        reply = self._recv(timeout)
-        if reply[0] == "err":
-            raise PeerError(reply[1], reply[2])
-        return reply[1]
+        super().__init__(_producer_main, spec, transport, seed, options)
 
     def push(self, address, req, ids, wait=True, **kwargs):
         return self.call("push", address, req, list(map(int, ids)), kwargs, wait)
@@ -98,20 +78,6 @@ class ProducerProcess:
         return self.call("offer", address, req, list(map(int, ids)), kwargs, wait)
 
     pull = offer  # the producer's side of a pull is an offer
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        self.kill()
 
 
 def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
@@ -138,40 +104,14 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
     consumer.close()
 
 
-class ConsumerProcess:
+class ConsumerProcess(PipedProcess):
     """A kvxfer Consumer in its own process (for killing or stopping the consumer side)."""
 
+    what = "consumer process"
+
     def __init__(self, spec: Spec, transport: str, **options):
-        self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_consumer_main, args=(child, spec, transport, options), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise TimeoutError("consumer process did not start")
-        status, self.address = self.conn.recv()
-
-    def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def cont(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        try:
-            self.cont()
-        except ProcessLookupError:
-            pass
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        self.kill()
+        super().__init__(_consumer_main, spec, transport, options)
+        self.address = self.ready
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01):

@@ -4,13 +4,11 @@ directory can never shadow the real ``vllm`` package.)"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import signal
 import traceback
 from dataclasses import dataclass
 
-_ctx = mp.get_context("spawn")
+from procs import PipedProcess
+
 
 
 @dataclass(frozen=True)
@@ -87,31 +85,13 @@ def _main(conn, spec: CacheSpec, transport: str, options: dict) -> None:
     consumer.close()
 
 
-class ConsumerError(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
+class ConsumerProcess(PipedProcess):
+    what = "consumer process"
 
-
-class ConsumerProcess:
     def __init__(self, spec: CacheSpec = CacheSpec(), transport: str = "tcp", **options):
         self.spec = spec
-        self.conn, child = _ctx.Pipe()
-        self.proc = _ctx.Process(target=_main, args=(child, spec, transport, options), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise TimeoutError("consumer process did not start")
-        status, self.address = self.conn.recv()
-        assert status == "ready"
-
-    def call(self, *cmd, timeout: float = 30):
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"consumer did not answer {cmd[0]}")
-        reply = self.conn.recv()
-        if reply[0] == "err":
-            raise ConsumerError(reply[1], reply[2])
-        return reply[1]
+        super().__init__(_main, spec, transport, options)
+        self.address = self.ready
 
     def get(self, timeout: float = 10, release: bool = True) -> dict:
         return self.call("get", timeout, release, timeout=timeout + 10)
@@ -122,26 +102,3 @@ class ConsumerProcess:
     def release(self, req: str) -> bool:
         return self.call("release", req)
 
-    def stop(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def cont(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join(10)
-
-    def close(self) -> None:
-        try:
-            self.cont()
-        except ProcessLookupError:
-            pass
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
-            self.proc.join(10)
-        self.kill()
