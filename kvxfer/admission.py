@@ -225,6 +225,11 @@ class Grants:
             slot.done, slot.meta, slot.digests = True, meta, digests
         return self._maybe_ready(slot)
 
+    def confirm(self, slot: Slot) -> Slot | None:
+        """Pull: the producer confirmed the read (its lease held); returns the slot if it is now ready."""
+        slot.done = True
+        return self._maybe_ready(slot)
+
     def _maybe_ready(self, slot: Slot) -> Slot | None:
         if slot.ready and not slot.complete and slot.moving == 0:
             slot.complete = True

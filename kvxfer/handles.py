@@ -724,10 +724,9 @@ class Consumer(_Endpoint):
             with self._lock:
                 slot = self.grants.active.get(msg.req)
                 pull = s.pulls.get(msg.req)
-            ours = (pull is not None and slot.peer == s.sid) if slot is not None else False
-            # gen 0: the producer cancelled before our grant reached it; it means this session's live part
             mine = [g for sid, g in slot.members() if sid == s.sid] if slot is not None else []
-            if slot is not None and (ours or msg.gen in mine or (msg.gen == 0 and mine)):
+            # a pull's Cancel names the producer's lease; gen 0 a push whose grant the producer has not seen yet
+            if mine and (pull is not None or msg.gen == 0 or msg.gen in mine):
                 self._fail_slot(slot, CancelledError(f"producer cancelled: {msg.reason}"))
                 if slot.senders > 1:
                     self._tell_members(slot, lambda _, gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason),
@@ -742,6 +741,15 @@ class Consumer(_Endpoint):
     def _refuse(self, s: _ConsumerSession, req: str, gen: int, e: KVXferError, attempt: int = 0) -> None:
         s.send(wire.Error(req=req, gen=gen, code=e.code, message=str(e), attempt=attempt))
 
+    def _reject(self, s: _ConsumerSession, req: str, e: KVXferError, gen: int = 0, attempt: int = 0) -> None:
+        """Refuse an admission (push) or an offer (pull): ``Busy`` with its retry-after, else the error."""
+        with self._lock:
+            self.counters["rejected"] += 1
+        if isinstance(e, BusyError):
+            s.send(wire.Busy(req=req, retry_after_ms=_ms(e.retry_after), reason=str(e), attempt=attempt))
+        else:
+            self._refuse(s, req, gen, e, attempt)
+
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
@@ -751,15 +759,8 @@ class Consumer(_Endpoint):
                 joined = slot.senders > 1 and len(slot.parts) > 1
                 self.counters["admitted"] += not joined
                 self.counters["failed"] += len(superseded)
-        except BusyError as e:
-            with self._lock:
-                self.counters["rejected"] += 1
-            s.send(wire.Busy(req=msg.req, retry_after_ms=_ms(e.retry_after), reason=str(e), attempt=msg.attempt))
-            return
         except KVXferError as e:
-            with self._lock:
-                self.counters["rejected"] += 1
-            return self._refuse(s, msg.req, 0, e, msg.attempt)
+            return self._reject(s, msg.req, e, attempt=msg.attempt)
         for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
             self._tell_members(old, lambda _, gen: wire.Error(req=old.req, gen=gen, code=StaleError.code,
                                                               message=f"request {old.req!r} superseded"),
@@ -784,19 +785,15 @@ class Consumer(_Endpoint):
     def _deliver(self, slot: Slot, kind: str) -> None:
         with self._lock:
             s = self._sessions.get(slot.peer)
-        if slot.digests and kind == "push":
-            bad = mismatches(self.layout, slot.ids, slot.digests)
-            if bad:
-                err = IntegrityError(f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from "
-                                     f"the producer's digests (first at position {bad[0]})")
-                log.error("kvxfer %s", err)
-                with self._lock:
-                    if self.grants.handed.pop(slot.req, None) is slot:
-                        self.allocator.free(slot.ids)
-                    self.counters["failed"] += 1
-                if s is not None:
-                    s.send(wire.Error(req=slot.req, gen=self._remote_gen(s, slot), code=err.code, message=str(err)))
-                return
+        err = self._integrity(slot) if kind == "push" else None  # a pull is checked before its release
+        if err is not None:
+            with self._lock:
+                if self.grants.handed.pop(slot.req, None) is slot:
+                    self.allocator.free(slot.ids)
+                self.counters["failed"] += 1
+            if s is not None:
+                s.send(wire.Error(req=slot.req, gen=self._remote_gen(s, slot), code=err.code, message=str(err)))
+            return
         with self._lock:
             self.counters["completed"] += 1
             self.counters["bytes"] += slot.nbytes
@@ -812,6 +809,16 @@ class Consumer(_Endpoint):
                 log.exception("kvxfer on_arrival callback for %s", slot.req)
         if self.queue_arrivals or self.on_arrival is None:
             self.arrivals.put(arrival)
+
+    def _integrity(self, slot: Slot) -> IntegrityError | None:
+        """The error to fail ``slot`` with if its blocks differ from the producer's digests (when it sent any)."""
+        bad = mismatches(self.layout, slot.ids, slot.digests) if slot.digests else []
+        if not bad:
+            return None
+        err = IntegrityError(f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from the "
+                             f"producer's digests (first at position {bad[0]})")
+        log.error("kvxfer %s", err)
+        return err
 
     def _remote_gen(self, s: _ConsumerSession, slot: Slot) -> int:
         pull = s.pulls.get(slot.req)
@@ -839,15 +846,8 @@ class Consumer(_Endpoint):
             with self._lock:
                 slot, _ = self.grants.admit(s.sid, msg.req, len(src), deadline, now)
                 self.counters["admitted"] += 1
-        except BusyError as e:
-            with self._lock:
-                self.counters["rejected"] += 1
-            s.send(wire.Busy(req=msg.req, retry_after_ms=_ms(e.retry_after), reason=str(e)))
-            return
         except KVXferError as e:
-            with self._lock:
-                self.counters["rejected"] += 1
-            return self._refuse(s, msg.req, msg.gen, e)
+            return self._reject(s, msg.req, e, gen=msg.gen)
         slot.meta, slot.digests = dict(msg.meta), msg.digests
         cancel = threading.Event()
         with self._lock:
@@ -863,12 +863,10 @@ class Consumer(_Endpoint):
         except Exception as e:  # noqa: BLE001
             self._pull_failed(s, slot, gen, PeerError(f"read failed: {e!r}"))
             return
-        if slot.digests:
-            bad = mismatches(self.layout, slot.ids, slot.digests)
-            if bad:
-                self._pull_failed(s, slot, gen, IntegrityError(
-                    f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} pulled blocks differ from the digests"))
-                return
+        err = self._integrity(slot)
+        if err is not None:
+            self._pull_failed(s, slot, gen, err)
+            return
         slot.landed = moved
         if not s.send(wire.Released(req=slot.req, gen=gen, nbytes=moved)):
             self._pull_failed(s, slot, gen, PeerError("producer gone before release"))
@@ -889,8 +887,7 @@ class Consumer(_Endpoint):
             self._fail_slot(slot, from_code(msg.code, f"producer: {msg.message}"))
             return
         with self._lock:
-            slot.done = True
-            ready = self.grants._maybe_ready(slot)
+            ready = self.grants.confirm(slot)
         if ready is not None:
             self._deliver(ready, "pull")
 

@@ -166,6 +166,13 @@ def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
         n -= k
 
 
+def _window(ext: Extents, offset: int, length: int) -> Extents:
+    """The extents of stream bytes ``[offset, offset + length)``, which a peer named: checked first."""
+    if offset < 0 or length <= 0 or offset + length > ext.total:
+        raise ProtocolError(f"window [{offset}, +{length}) outside {ext.total} bytes")
+    return ext.window(offset, length)
+
+
 def _wait_readable(sock: socket.socket, check) -> None:
     poller = select.poll()  # not select.select: it fails for descriptors >= FD_SETSIZE (1024) in busy processes
     poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
@@ -331,9 +338,8 @@ class TcpLink(Link):
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
                     continue
                 try:
-                    ext = self._extents(ids, getattr(ticket, "layers", None))  # the grant decides the bytes
-                    if msg.offset < 0 or msg.length <= 0 or msg.offset + msg.length > ext.total:
-                        raise ProtocolError(f"window [{msg.offset}, +{msg.length}) outside {ext.total} bytes")
+                    # the grant decides the bytes
+                    window = _window(self._extents(ids, getattr(ticket, "layers", None)), msg.offset, msg.length)
 
                     def check():
                         if ticket.error is not None:
@@ -341,7 +347,7 @@ class TcpLink(Link):
                         if self.closed:
                             raise PeerError("link closed")
 
-                    views = self.t.views(ext.window(msg.offset, msg.length))
+                    views = self.t.views(window)
                     self.t.watchdog.guarded(sock, check, lambda: recv_views(sock, views))
                 except BaseException as e:
                     host.end_write(ticket, 0, e)
@@ -407,10 +413,11 @@ class TcpLink(Link):
                 try:
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
                     ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
-                    ext = self._extents(ids)
-                    if msg.offset < 0 or msg.length <= 0 or msg.offset + msg.length > ext.total:
-                        host.end_read(ticket, 0, ProtocolError("bad window"))
-                        raise ProtocolError(f"window [{msg.offset}, +{msg.length}) outside {ext.total} bytes")
+                    try:
+                        window = _window(self._extents(ids), msg.offset, msg.length)
+                    except KVXferError as e:
+                        host.end_read(ticket, 0, e)
+                        raise
                 except KVXferError as e:
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
                     continue
@@ -421,7 +428,7 @@ class TcpLink(Link):
                         if self.closed:
                             raise PeerError("link closed")
 
-                    views = self.t.views(ext.window(msg.offset, msg.length))
+                    views = self.t.views(window)
                     self.t.watchdog.guarded(sock, check, lambda: send_views(sock, views))
                 except BaseException as e:
                     host.end_read(ticket, 0, e)
