@@ -9,8 +9,27 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import traceback
 
 _ctx = mp.get_context("spawn")
+
+
+def serve(conn, ready, commands: dict) -> None:
+    """The child's side: announce ``ready``, then answer each command with ``commands[name](*args)``."""
+    conn.send(("ready", ready))
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            return
+        if cmd == "close":
+            return
+        try:
+            if cmd not in commands:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", commands[cmd](*args)))
+        except Exception as e:  # noqa: BLE001 - report to the parent, typed by name
+            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
 
 
 class RemoteError(Exception):

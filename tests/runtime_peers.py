@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 
 import numpy as np
 
 from conformance.kvspec import Spec
-from procs import PipedProcess, RemoteError  # noqa: F401 - RemoteError is what the tests catch
+from procs import PipedProcess, RemoteError, serve  # noqa: F401 - RemoteError is what the tests catch
 
 
 def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
@@ -29,63 +28,43 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
 
     producer._move = held_move
     inflight, retrying = {}, {}
-    conn.send(("ready", None))
-    while True:
-        try:
-            cmd, *args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "close":
-                break
-            if cmd == "push":
-                address, req, ids, kwargs, wait, retry = args
 
-                def attempt(address=address, req=req, ids=ids, kwargs=kwargs):
-                    end = time.monotonic() + 20
-                    while True:  # a producer's retry loop: back off as the consumer's Busy says
-                        t = inflight[req] = producer.push(address, req, np.asarray(ids), **kwargs)
-                        try:
-                            return t.wait()
-                        except BusyError as e:
-                            if time.monotonic() > end:
-                                raise
-                            time.sleep(e.retry_after)
-
-                if retry:
-                    th = threading.Thread(target=lambda: _quiet(attempt), daemon=True)
-                    retrying[req] = th
-                    th.start()
-                    conn.send(("ok", None))
-                    continue
+    def push(address, req, ids, kwargs, wait, retry):
+        def attempt():
+            end = time.monotonic() + 20
+            while True:  # a producer's retry loop: back off as the consumer's Busy says
                 t = inflight[req] = producer.push(address, req, np.asarray(ids), **kwargs)
-                if wait:
-                    t.wait()
-                conn.send(("ok", {"status": t.status.value, "gen": t.gen,
-                                  "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist()}))
-            elif cmd == "wait":
-                req, timeout = args
-                if req in retrying:
-                    retrying.pop(req).join(timeout)
-                t = inflight[req]
-                t.wait(timeout)
-                conn.send(("ok", {"status": t.status.value, "gen": t.gen}))
-            elif cmd == "hold":
-                gate.clear()
-                conn.send(("ok", None))
-            elif cmd == "go":
-                gate.set()
-                conn.send(("ok", None))
-            elif cmd == "redone":  # a duplicate Done for a transfer that already completed
-                address, req = args
-                t = inflight[req]
-                producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
-                conn.send(("ok", None))
-            else:
-                conn.send(("err", "ValueError", f"unknown command {cmd}"))
-        except Exception as e:  # noqa: BLE001 - report to the parent, typed by name
-            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
-    producer.close()
+                try:
+                    return t.wait()
+                except BusyError as e:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(e.retry_after)
+
+        if retry:
+            th = retrying[req] = threading.Thread(target=lambda: _quiet(attempt), daemon=True)
+            th.start()
+            return None
+        t = inflight[req] = producer.push(address, req, np.asarray(ids), **kwargs)
+        if wait:
+            t.wait()
+        return {"status": t.status.value, "gen": t.gen, "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist()}
+
+    def wait(req, timeout):
+        if req in retrying:
+            retrying.pop(req).join(timeout)
+        t = inflight[req]
+        t.wait(timeout)
+        return {"status": t.status.value, "gen": t.gen}
+
+    def redone(address, req):  # a duplicate Done for a transfer that already completed
+        t = inflight[req]
+        producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
+
+    try:
+        serve(conn, None, {"push": push, "wait": wait, "hold": gate.clear, "go": gate.set, "redone": redone})
+    finally:
+        producer.close()
 
 
 def _quiet(fn) -> None:

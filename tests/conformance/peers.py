@@ -4,11 +4,10 @@ through a pipe. The parent holds the other side, so every test moves bytes betwe
 from __future__ import annotations
 
 import time
-import traceback
 
 import numpy as np
 
-from procs import PipedProcess, RemoteError
+from procs import PipedProcess, RemoteError, serve
 
 from .kvspec import Spec
 
@@ -16,43 +15,17 @@ from .kvspec import Spec
 def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
     from kvxfer import Producer
 
-    tensors, kw, _, raw = spec.build(seed=seed)
+    tensors, kw, _, _ = spec.build(seed=seed)
     producer = Producer(spec.layout(tensors, kw), transport=transport, **options)
-    inflight = {}
-    conn.send(("ready", None))
-    while True:
-        try:
-            cmd, *args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "close":
-                break
-            if cmd in ("push", "offer"):
-                address, req, ids, kwargs, wait = args
-                t = getattr(producer, cmd)(address, req, np.asarray(ids), **kwargs)
-                inflight[req] = t
-                if wait:
-                    t.wait()
-                    conn.send(("ok", _summary(t)))
-                else:
-                    conn.send(("ok", None))
-            elif cmd == "wait":
-                (req, timeout) = args
-                t = inflight[req]
-                t.wait(timeout)
-                conn.send(("ok", _summary(t)))
-            elif cmd == "cancel":
-                conn.send(("ok", inflight[args[0]].cancel()))
-            elif cmd == "state":
-                with producer._lock:
-                    n = sum(len(s.transfers) for s in producer._sessions.values())
-                conn.send(("ok", {"transfers": n, "leases": len(producer.leases.active)}))
-            else:
-                conn.send(("err", "ValueError", f"unknown command {cmd}"))
-        except Exception as e:  # noqa: BLE001 - report to the parent, typed by name
-            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
-    producer.close()
+
+    def start(kind, address, req, ids, kwargs, wait):
+        t = getattr(producer, kind)(address, req, np.asarray(ids), **kwargs)
+        return _summary(t.wait()) if wait else None
+
+    try:
+        serve(conn, None, {"push": lambda *a: start("push", *a), "offer": lambda *a: start("offer", *a)})
+    finally:
+        producer.close()
 
 
 def _summary(t) -> dict:
@@ -85,23 +58,15 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
 
     tensors, kw, _, _ = spec.build(fill=0)
     consumer = Consumer(spec.layout(tensors, kw), transport=transport, **options)
-    conn.send(("ready", consumer.address))
-    while True:
-        try:
-            cmd, *args = conn.recv()
-        except EOFError:
-            break
-        if cmd == "close":
-            break
-        if cmd == "stats":
-            conn.send(("ok", consumer.stats()))
-        elif cmd == "get":
-            try:
-                a = consumer.get(args[0])
-                conn.send(("ok", {"req": a.req, "ids": a.block_ids.tolist()}))
-            except Exception as e:  # noqa: BLE001
-                conn.send(("err", type(e).__name__, str(e)))
-    consumer.close()
+
+    def get(timeout):
+        a = consumer.get(timeout)
+        return {"req": a.req, "ids": a.block_ids.tolist()}
+
+    try:
+        serve(conn, consumer.address, {"stats": consumer.stats, "get": get})
+    finally:
+        consumer.close()
 
 
 class ConsumerProcess(PipedProcess):

@@ -4,10 +4,9 @@ directory can never shadow the real ``vllm`` package.)"""
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 
-from procs import PipedProcess
+from procs import PipedProcess, serve
 
 
 
@@ -54,35 +53,21 @@ def block_stream(layout, block: int) -> bytes:
 def _main(conn, spec: CacheSpec, transport: str, options: dict) -> None:
     from kvxfer import Consumer, KVLayout
 
-    tensors = spec.tensors()
-    layout = KVLayout.from_tensors(tensors)
+    layout = KVLayout.from_tensors(spec.tensors())
     consumer = Consumer(layout, transport=transport, **options)
-    conn.send(("ready", consumer.address))
-    while True:
-        try:
-            cmd, *args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "close":
-                break
-            if cmd == "stats":
-                conn.send(("ok", consumer.stats()))
-            elif cmd == "get":
-                timeout, release = args
-                a = consumer.get(timeout)
-                blocks = [block_stream(layout, int(b)) for b in a.block_ids.tolist()]
-                if release:
-                    consumer.release(a.req)
-                conn.send(("ok", {"req": a.req, "ids": a.block_ids.tolist(), "meta": a.meta, "nbytes": a.nbytes,
-                                  "digests": len(a.digests), "blocks": blocks}))
-            elif cmd == "release":
-                conn.send(("ok", consumer.release(args[0])))
-            else:
-                conn.send(("err", "ValueError", f"unknown command {cmd}"))
-        except Exception as e:  # noqa: BLE001 - typed by name for the parent
-            conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
-    consumer.close()
+
+    def get(timeout, release):
+        a = consumer.get(timeout)
+        blocks = [block_stream(layout, int(b)) for b in a.block_ids.tolist()]
+        if release:
+            consumer.release(a.req)
+        return {"req": a.req, "ids": a.block_ids.tolist(), "meta": a.meta, "nbytes": a.nbytes,
+                "digests": len(a.digests), "blocks": blocks}
+
+    try:
+        serve(conn, consumer.address, {"stats": consumer.stats, "get": get, "release": consumer.release})
+    finally:
+        consumer.close()
 
 
 class ConsumerProcess(PipedProcess):
