@@ -8,10 +8,12 @@
 """
 
 from .allocator import Allocator, FreeList
-from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, IncompatibleError,
+from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, DeadlineError, IncompatibleError,
                      IntegrityError, KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
                      TimeoutError, TransportError)
-from .handles import Arrival, Consumer, Producer, Status, Transfer
+from .consumer import Consumer
+from .producer import Producer
+from .transfer import Arrival, Status, Transfer
 from .layout import KVLayout
 from .transports import available as available_transports
 
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Allocator", "Arrival", "AuthError", "BlockError", "BusyError", "CancelledError", "ClosedError", "Consumer",
+    "DeadlineError",
     "FreeList", "IncompatibleError", "IntegrityError", "KVLayout", "KVXferError", "LayoutError", "LeaseExpiredError", "PeerError",
     "Producer", "ProtocolError", "StaleError", "Status", "TimeoutError", "Transfer", "TransportError",
     "available_transports",

@@ -66,13 +66,16 @@ class CancelledError(KVXferError):
     code = "cancelled"
 
 
-class TimeoutError(KVXferError):  # noqa: A001 - deliberately shadows the builtin inside kvxfer
+class DeadlineError(KVXferError):
     """A deadline passed before the transfer ended (the peer may be slow, stopped or gone)."""
 
     code = "timeout"
 
 
-class LeaseExpiredError(TimeoutError):
+TimeoutError = DeadlineError  # noqa: A001 - the name of 0.1; kept one release for callers that import it
+
+
+class LeaseExpiredError(DeadlineError):
     """A pull offer's lease ran out before the consumer finished reading."""
 
     code = "lease_expired"
@@ -106,7 +109,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in (
         KVXferError, LayoutError, IncompatibleError, ProtocolError, AuthError, BlockError, BusyError,
-        StaleError, CancelledError, TimeoutError, LeaseExpiredError, PeerError, TransportError, ClosedError,
+        StaleError, CancelledError, DeadlineError, LeaseExpiredError, PeerError, TransportError, ClosedError,
         IntegrityError,
     )
 }

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from .. import transports
-from ..handles import Consumer
+from ..consumer import Consumer
 from ..wire import ids_from_bytes
 from . import baselines, content, models
 from .control import Control

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVXferError
-from ..handles import Producer
+from ..producer import Producer
 from ..layout import KVLayout
 from ..plan import make_plan, pair
 from . import baselines, content, models

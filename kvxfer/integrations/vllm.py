@@ -49,7 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..channel import parse_address
 from ..errors import BusyError, CancelledError, KVXferError, TimeoutError
-from ..handles import Producer, Transfer
+from ..producer import Producer
+from ..transfer import Transfer
 from ..layout import KVLayout
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import TimeoutError
-from ..handles import Arrival, Consumer
+from ..consumer import Consumer
+from ..transfer import Arrival
 from ..layout import KVLayout
 from .allocator import PagedPool, TokenAllocator, TokenBlocks
 

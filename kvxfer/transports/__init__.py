@@ -6,11 +6,11 @@ import importlib
 from functools import lru_cache
 
 from ..errors import TransportError
-from .base import Host, Link, Peer, Transport
+from .base import Host, Link, Peer, ReadHost, Transport, WriteHost
 
 _REGISTRY = {"tcp": "kvxfer.transports.tcp:TcpTransport", "nixl": "kvxfer.transports.nixl:NixlTransport"}
 
-__all__ = ["Host", "Link", "Peer", "Transport", "available", "get", "resolve"]
+__all__ = ["Host", "Link", "Peer", "ReadHost", "Transport", "WriteHost", "available", "get", "resolve"]
 
 
 def get(name: str) -> type[Transport]:

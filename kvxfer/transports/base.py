@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, Union
 
 import numpy as np
 
@@ -33,21 +33,29 @@ class Peer:
     auth: str = ""
 
 
-class Host(Protocol):
-    """Callbacks into the handle that owns a transport: it checks every request against its ledger."""
+class WriteHost(Protocol):
+    """The consumer's side of a transport: it checks every write against its ledger before a byte lands."""
 
-    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> object:
-        """Consumer: a peer wants to write blocks ``ids``; returns a ticket or raises a kvxfer error."""
+    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
+        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error`` and ``.layers``) or raises
+        a kvxfer error. The blocks stay allocated until ``end_write`` of that ticket."""
 
-    def end_write(self, ticket: object, nbytes: int, error: Exception | None) -> None: ...
-
-    def begin_read(self, session: int, req: str, gen: int, ids: np.ndarray) -> object:
-        """Producer: a peer wants to read offered blocks ``ids``; returns a ticket or raises."""
-
-    def end_read(self, ticket: object, nbytes: int, error: Exception | None) -> None: ...
+    def end_write(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
 
     def landed(self, session: int, req: str, gen: int, nbytes: int) -> None:
-        """Consumer: a one-sided transport reports that ``nbytes`` of ``req`` arrived."""
+        """A one-sided transport reports that ``nbytes`` of ``req`` arrived."""
+
+
+class ReadHost(Protocol):
+    """The producer's side of a transport: it checks every read against its leases."""
+
+    def begin_read(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
+        """A peer wants to read offered blocks ``ids``; returns a ticket or raises a kvxfer error."""
+
+    def end_read(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
+
+
+Host = Union[WriteHost, ReadHost]
 
 
 class Link(ABC):

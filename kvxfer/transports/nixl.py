@@ -155,7 +155,7 @@ class NixlTransport(Transport):
                         req, gen, nbytes = _NOTIF_DECODER.decode(m)
                     except msgspec.MsgspecError:
                         continue
-                    if link is not None:
+                    if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
                         self.host.landed(link.peer.session, req, gen, nbytes)
             idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval)
             time.sleep(idle)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvxfer import BlockError, BusyError, CancelledError, FreeList, StaleError, TimeoutError
-from kvxfer.admission import Grants, Leases
+from kvxfer.ledger import Grants, Leases
 
 
 def _grants(**kw):

@@ -1,22 +1,43 @@
-"""Sans-IO bookkeeping of who may touch which blocks, and until when.
+"""Sans-IO bookkeeping of who may touch which blocks, and until when: every protocol rule lives here.
 
-``Grants`` is the consumer's ledger for pushes (admission, generations, tombstones, deadlines, completion);
-``Leases`` is the producer's ledger for pull offers. Neither touches a socket or a clock: callers pass ``now``
-and act on what the methods return, so every rule here is testable without a network.
+``Grants`` is the consumer's ledger (admission, generations, tombstones, deadlines, completion, cancel
+matching, meta merging, revocation, and when blocks may be freed); ``Leases`` is the producer's ledger for
+pull offers. Neither touches a socket or a clock: callers pass ``now`` and act on what the methods return,
+so every rule is testable without a network. A slot's life is an explicit state with a transition table
+(in the manner of h11's ``_state``); an illegal transition raises ``ProtocolError`` and changes nothing.
 """
 
 from __future__ import annotations
 
+import enum
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .allocator import Allocator
-from .errors import BlockError, BusyError, CancelledError, KVXferError, StaleError
+from .errors import BlockError, BusyError, CancelledError, KVXferError, ProtocolError, StaleError
 
 _generations = itertools.count(1)
+
+
+class State(enum.Enum):
+    GRANTED = "granted"      # blocks allocated to the request, waiting for bytes (or for Done)
+    RECEIVING = "receiving"  # a local receiver is landing bytes in them now (stream push, any pull)
+    HANDED = "handed"        # complete: the runtime owns the blocks until it releases them
+    FAILED = "failed"        # ended with an error: the blocks wait until no byte can still land in them
+    FREED = "freed"          # the blocks are back in the allocator
+
+
+_TRANSITIONS: dict[State, frozenset[State]] = {
+    State.GRANTED: frozenset({State.RECEIVING, State.HANDED, State.FAILED}),
+    State.RECEIVING: frozenset({State.GRANTED, State.FAILED}),
+    State.HANDED: frozenset({State.FREED, State.FAILED}),   # FAILED: revoked before the runtime saw it
+    State.FAILED: frozenset({State.FREED}),
+    State.FREED: frozenset(),
+}
 
 
 @dataclass
@@ -48,13 +69,15 @@ class Slot:
     ids: np.ndarray
     nbytes: int
     deadline: float
+    kind: str = "push"        # "pull": the consumer reads an offer; ``lease_gen`` names it to the producer
+    lease_gen: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     digests: bytes = b""
     landed: int = 0
     done: bool = False
-    moving: int = 0           # receives in progress into these blocks (stream transports)
+    moving: int = 0           # receives in progress into these blocks
     error: KVXferError | None = None
-    complete: bool = False
+    state: State = State.GRANTED
     hold_until: float = 0.0   # a failed slot keeps its blocks until no writer can still touch them
     senders: int = 1
     parts: dict[int, Part] = field(default_factory=dict)   # multi-sender only, by part index
@@ -68,19 +91,38 @@ class Slot:
                     and all(p.done and p.landed >= p.nbytes for p in self.parts.values()))
         return self.done and self.landed >= self.nbytes and self.error is None
 
+    @property
+    def complete(self) -> bool:
+        return self.state in (State.HANDED, State.FREED) and self.error is None
+
+    def to(self, state: State) -> None:
+        """Move to ``state``; a transition the table does not allow raises and changes nothing."""
+        if state not in _TRANSITIONS[self.state]:
+            raise ProtocolError(f"request {self.req!r}: {self.state.value} -> {state.value} is not allowed")
+        self.state = state
+
     def members(self) -> list[tuple[int, int]]:
-        """(session, generation) of every writer of this request."""
+        """(session, generation the producer knows) of every writer of this request."""
         if self.senders > 1:
             return [(p.peer, p.gen) for p in self.parts.values()]
-        return [(self.peer, self.gen)]
+        return [(self.peer, self.lease_gen if self.kind == "pull" else self.gen)]
+
+
+def _locked(method):
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    run.__name__, run.__doc__ = method.__name__, method.__doc__
+    return run
 
 
 class Grants:
-    """The consumer's grants: admit -> (write | land | done)* -> complete -> release, or fail at any point.
+    """The consumer's grants: admit -> (receive | land | done)* -> hand off -> release, or fail at any point.
 
-    A failed slot's blocks go back to the allocator once nothing may still write into them: no receive in
-    progress and, for one-sided transports whose remote writes cannot be stopped from here, ``quarantine``
-    seconds after the failure or as soon as the producer's session is gone.
+    A failed slot's blocks go back to the allocator once nothing may still write into them: no local receive
+    in progress and, for one-sided transports whose remote writes cannot be stopped from here, ``quarantine``
+    seconds after the failure or as soon as every producer session that could write them is gone. Every
+    public method takes the ledger's own lock.
     """
 
     def __init__(self, allocator: Allocator, block_bytes: int, *, max_inflight: int = 1024,
@@ -93,19 +135,22 @@ class Grants:
         self.tombstone_ttl = tombstone_ttl
         self.quarantine = quarantine
         self.retry_after = retry_after
+        self.lock = threading.RLock()
         self.active: dict[str, Slot] = {}
         self.handed: dict[str, Slot] = {}
         self.dying: list[Slot] = []
         self.tombstones: dict[str, float] = {}
 
     # ---- admission ---------------------------------------------------------------------------------------
+    @_locked
     def admit(self, peer: int, req: str, n: int, deadline: float, now: float, *, senders: int = 1,
-              part: int = 0, layers=None) -> tuple[Slot, list[Slot]]:
+              part: int = 0, layers=None, meta: dict | None = None) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
         With ``senders > 1`` the request is split between that many producer sessions, part ``part`` carrying
         ``layers``: the first part to arrive is admitted (blocks, deadline, in-flight bound); later parts
-        join the same grant and get their own generation (``admit_part``), without a second allocation.
+        join the same grant and get their own generation, without a second allocation. ``meta`` merges
+        into the slot's (part 0's keys win).
         """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
@@ -121,6 +166,7 @@ class Grants:
         old = self.active.get(req)
         if old is not None and senders > 1 and old.senders == senders and part not in old.parts:
             self._join(old, peer, n, part, layers)
+            self._merge_meta(old, part, meta)
             return old, []
         if old is not None:
             superseded.append(self.fail(req, StaleError(f"request {req!r} superseded by a newer admission"), now))
@@ -133,9 +179,17 @@ class Grants:
                     senders=senders, live_peers={peer}, admitted=now)
         self.active[req] = slot
         if senders > 1:
-            first = self._join(slot, peer, n, part, layers)
-            slot.gen = first.gen
+            slot.gen = self._join(slot, peer, n, part, layers).gen
+        self._merge_meta(slot, part, meta)
         return slot, superseded
+
+    @_locked
+    def admit_pull(self, peer: int, req: str, n: int, deadline: float, now: float, lease_gen: int,
+                   meta: dict | None = None, digests: bytes = b"") -> Slot:
+        """Admit an offer this consumer will read: blocks to read into, named to the producer by its lease."""
+        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta)
+        slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
+        return slot
 
     def _check_layers(self, senders: int, part: int, layers) -> tuple[int, ...]:
         if not 0 <= part < senders:
@@ -162,23 +216,32 @@ class Grants:
         slot.live_peers.add(peer)
         return p
 
+    @staticmethod
+    def _merge_meta(slot: Slot, part: int, meta: dict | None) -> None:
+        """Multi-sender parts each carry meta; part 0's keys win, whichever part arrives first."""
+        if not meta:
+            return
+        if slot.senders == 1:
+            slot.meta = dict(meta)
+        else:
+            slot.meta = {**slot.meta, **meta} if part == 0 else {**meta, **slot.meta}
+
     def part(self, slot: Slot, gen: int) -> Part | None:
         """The part of a multi-sender ``slot`` with generation ``gen``."""
         return next((p for p in slot.parts.values() if p.gen == gen), None)
 
-    def _live(self, peer: int, req: str, gen: int) -> Slot:
-        return self._live_part(peer, req, gen)[0]
-
     def _live_part(self, peer: int, req: str, gen: int) -> tuple[Slot, Part | None]:
         slot = self.active.get(req)
         part = self.part(slot, gen) if slot is not None and slot.senders > 1 else None
-        if slot is None or (part is None and (slot.senders > 1 or slot.gen != gen)) \
+        if slot is None or slot.kind != "push" or (part is None and (slot.senders > 1 or slot.gen != gen)) \
                 or (part.peer if part else slot.peer) != peer:
             if req in self.tombstones:
                 raise CancelledError(f"request {req!r} was cancelled or failed")
             raise StaleError(f"no live grant for request {req!r} generation {gen}")
         return slot, part
 
+    # ---- bytes arriving ----------------------------------------------------------------------------------
+    @_locked
     def check_write(self, peer: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
         """The ticket a writer may fill (the slot, or the part of a multi-sender request), if ``ids`` are
         exactly the granted blocks in grant order."""
@@ -187,21 +250,39 @@ class Grants:
             raise BlockError(f"request {req!r} writes blocks it was not granted")
         return part or slot
 
+    @_locked
+    def begin_write(self, peer: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
+        """``check_write`` and ``begin_receive`` at once: the ticket of a receive that starts now."""
+        ticket = self.check_write(peer, req, gen, ids)
+        self.begin_receive(ticket.slot if isinstance(ticket, Part) else ticket)
+        return ticket
+
+    @_locked
     def begin_receive(self, slot: Slot) -> None:
+        """A local receiver starts landing bytes in ``slot``'s blocks: they stay allocated until it ends."""
+        if slot.error is not None:
+            raise slot.error
+        if slot.moving == 0:
+            slot.to(State.RECEIVING)
         slot.moving += 1
 
+    @_locked
     def end_receive(self, slot: Slot, nbytes: int, now: float, part: Part | None = None) -> Slot | None:
         """Account ``nbytes`` received (into ``part``, for a multi-sender request); returns the slot when it
-        just became ready."""
+        just became ready. A failed slot whose last receive ended is freed here (when nothing else holds it)."""
         slot.moving -= 1
-        if slot.error is None:
-            if part is not None:
-                part.landed += nbytes
-            else:
-                slot.landed += nbytes
-            return self._maybe_ready(slot)
-        return None
+        if slot.error is not None:
+            self.reap(now)
+            return None
+        if slot.moving == 0:
+            slot.to(State.GRANTED)
+        if part is not None:
+            part.landed += nbytes
+        else:
+            slot.landed += nbytes
+        return self._maybe_ready(slot)
 
+    @_locked
     def landed(self, peer: int, req: str, gen: int, nbytes: int) -> Slot | None:
         """A one-sided transport says the bytes are there (NIXL notification)."""
         slot, part = self._live_part(peer, req, gen)
@@ -211,6 +292,7 @@ class Grants:
             slot.landed += nbytes
         return self._maybe_ready(slot)
 
+    @_locked
     def done(self, peer: int, req: str, gen: int, nbytes: int, meta: dict, digests: bytes) -> Slot | None:
         """The producer (or one part's producer) says it moved everything. A duplicate ``Done`` for a
         request already handed off is harmless: it raises ``StaleError`` and changes nothing."""
@@ -220,45 +302,79 @@ class Grants:
             raise BlockError(f"request {req!r}: producer moved {nbytes} bytes, grant holds {expected}")
         if part is not None:
             part.done = True
-            slot.meta = {**slot.meta, **meta} if part.index == 0 else {**meta, **slot.meta}  # part 0 wins
+            self._merge_meta(slot, part.index, meta)
         else:
             slot.done, slot.meta, slot.digests = True, meta, digests
         return self._maybe_ready(slot)
 
+    @_locked
     def confirm(self, slot: Slot) -> Slot | None:
         """Pull: the producer confirmed the read (its lease held); returns the slot if it is now ready."""
+        if self.active.get(slot.req) is not slot:
+            return None
         slot.done = True
         return self._maybe_ready(slot)
 
     def _maybe_ready(self, slot: Slot) -> Slot | None:
-        if slot.ready and not slot.complete and slot.moving == 0:
-            slot.complete = True
+        if slot.ready and slot.state is State.GRANTED and slot.moving == 0:
+            slot.to(State.HANDED)
             del self.active[slot.req]
             self.handed[slot.req] = slot
             return slot
         return None
 
     # ---- endings -----------------------------------------------------------------------------------------
+    @_locked
     def fail(self, req: str, error: KVXferError, now: float, *, one_sided: bool = False) -> Slot | None:
         """End an active request with ``error``; its blocks are freed once nothing can write them."""
         slot = self.active.pop(req, None)
         if slot is None:
             return None
-        slot.error = error
-        slot.hold_until = now + (self.quarantine if one_sided else 0.0)
-        self.tombstones[req] = now + self.tombstone_ttl
-        self.dying.append(slot)
-        self.reap(now)
+        self._fail(slot, error, now, one_sided)
         return slot
 
+    def _fail(self, slot: Slot, error: KVXferError, now: float, one_sided: bool) -> None:
+        slot.to(State.FAILED)
+        slot.error = error
+        slot.hold_until = now + (self.quarantine if one_sided else 0.0)
+        self.tombstones[slot.req] = now + self.tombstone_ttl
+        self.dying.append(slot)
+        self.reap(now)
+
+    @_locked
+    def cancel(self, peer: int, req: str, gen: int, error: KVXferError, now: float, *,
+               one_sided: bool = False) -> Slot | None:
+        """A producer session cancels ``req``; the slot it failed, or ``None`` if the Cancel names nothing
+        of that session's. It matches a pull the session offered (any lease), generation 0 (a push whose
+        grant the producer has not seen yet) or one of the session's generations of the request."""
+        slot = self.active.get(req)
+        if slot is None:
+            return None
+        mine = [g for sid, g in slot.members() if sid == peer]
+        if not mine or not (slot.kind == "pull" or gen == 0 or gen in mine):
+            return None
+        return self.fail(req, error, now, one_sided=one_sided)
+
+    @_locked
+    def revoke(self, slot: Slot, error: KVXferError, now: float) -> bool:
+        """Take back a handed-off slot the runtime has not seen (its digests failed): its blocks are freed."""
+        if self.handed.get(slot.req) is not slot:
+            return False
+        del self.handed[slot.req]
+        self._fail(slot, error, now, one_sided=False)
+        return True
+
+    @_locked
     def release(self, req: str) -> bool:
         """The runtime is done with a handed-off request: its blocks go back."""
         slot = self.handed.pop(req, None)
         if slot is None:
             return False
+        slot.to(State.FREED)
         self.allocator.free(slot.ids)
         return True
 
+    @_locked
     def peer_lost(self, peer: int, error: KVXferError, now: float) -> list[Slot]:
         """Every active slot of a dead session fails; nothing of it can write any more."""
         lost = [s for s in self.active.values() if peer in s.live_peers]
@@ -271,15 +387,18 @@ class Grants:
         self.reap(now)
         return lost
 
+    @_locked
     def expired(self, now: float) -> list[Slot]:
         """Active slots past their deadline (the caller fails them)."""
         return [s for s in self.active.values() if s.deadline <= now]
 
+    @_locked
     def reap(self, now: float) -> int:
         """Free the blocks of failed slots that no writer can touch any more; drop old tombstones."""
         keep, freed = [], 0
         for s in self.dying:
             if s.moving == 0 and s.hold_until <= now:
+                s.to(State.FREED)
                 self.allocator.free(s.ids)
                 freed += len(s.ids)
             else:
@@ -289,12 +408,21 @@ class Grants:
             self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
         return freed
 
+    @_locked
+    def counts(self) -> dict[str, int]:
+        return {"inflight": len(self.active), "handed": len(self.handed), "dying": len(self.dying)}
+
+    @_locked
+    def get(self, req: str) -> Slot | None:
+        """The active slot of ``req``, if any."""
+        return self.active.get(req)
+
 
 @dataclass
 class Lease:
     req: str
     gen: int
-    peer: str
+    peer: int
     ids: np.ndarray
     expires: float
 
@@ -303,14 +431,17 @@ class Leases:
     """The producer's pull offers: blocks readable by one consumer until the lease expires or is released."""
 
     def __init__(self):
+        self.lock = threading.RLock()
         self.active: dict[tuple[str, int], Lease] = {}
 
-    def offer(self, peer: str, req: str, ids: np.ndarray, lease: float, now: float) -> Lease:
+    @_locked
+    def offer(self, peer: int, req: str, ids: np.ndarray, lease: float, now: float) -> Lease:
         item = Lease(req, next(_generations), peer, ids, now + lease)
         self.active[(req, item.gen)] = item
         return item
 
-    def check_read(self, peer: str, req: str, gen: int, ids: np.ndarray, now: float) -> Lease:
+    @_locked
+    def check_read(self, peer: int, req: str, gen: int, ids: np.ndarray, now: float) -> Lease:
         """The lease a reader may read from, if ``ids`` are exactly the offered blocks."""
         item = self.active.get((req, gen))
         if item is None or item.peer != peer:
@@ -321,6 +452,7 @@ class Leases:
             raise BlockError(f"request {req!r} reads blocks that were not offered")
         return item
 
+    @_locked
     def release(self, req: str, gen: int, now: float) -> Lease:
         """The consumer is done reading; a lease that ran out first is an error."""
         item = self.active.pop((req, gen), None)
@@ -330,8 +462,10 @@ class Leases:
             raise StaleError(f"the lease of request {req!r} expired before it was released")
         return item
 
+    @_locked
     def drop(self, req: str, gen: int) -> Lease | None:
         return self.active.pop((req, gen), None)
 
+    @_locked
     def expired(self, now: float) -> list[Lease]:
         return [x for x in self.active.values() if x.expires <= now]

@@ -1,0 +1,406 @@
+"""The decode side: a ``Consumer`` listens on one address, admits pushes into blocks its allocator grants,
+pulls offered blocks, and hands every arrived request to the runtime as an ``Arrival``. Every protocol rule
+is the ledger's (``ledger.Grants``); this module wires it to sockets, threads and the transport.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from . import handshake, wire
+from .allocator import Allocator, FreeList
+from .channel import Channel, parse_address
+from .digest import mismatches
+from .errors import (BusyError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
+                     ProtocolError, StaleError, from_code)
+from .layout import KVLayout
+from .ledger import Grants, Part, Slot
+from .lifecycle import HandleBase, ms
+from .plan import check_ids
+from .transfer import Arrival
+from .transports.base import Peer
+
+log = logging.getLogger("kvxfer")
+
+
+class _ConsumerSession:
+    """One producer's control connection, and the pulls this consumer runs for it."""
+
+    def __init__(self, sid: int, ch: Channel, remote_id: str):
+        self.sid = sid
+        self.ch = ch
+        self.remote_id = remote_id
+        self.link = None
+        self.peer: Peer | None = None
+        self.alive = True
+        self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
+
+    def send(self, msg) -> bool:
+        try:
+            self.ch.send(msg)
+            return True
+        except KVXferError:
+            return False
+
+
+class Consumer(HandleBase):
+    """The decode side: listens on ``listen``, admits pushes into blocks its ``allocator`` grants, pulls
+    offered blocks, and hands every arrived request to the runtime (``get`` / ``on_arrival``).
+
+    Blocks of an arrived request belong to the runtime until it calls ``release(req)``. ``deadline`` caps
+    every admitted request; ``max_inflight`` bounds admitted-but-unfinished requests (then ``Busy``).
+    """
+
+    def __init__(self, layout: KVLayout, *, transport: str = "auto", listen: str = "127.0.0.1:0",
+                 allocator: Allocator | None = None, auth: str = "", deadline: float = 30.0,
+                 max_inflight: int = 1024, tombstone_ttl: float = 30.0, retry_after: float = 0.05,
+                 quarantine: float = 2.0, on_arrival: Callable[[Arrival], None] | None = None,
+                 peer_id: str | None = None, transport_options: dict | None = None, workers: int = 8,
+                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True):
+        host, port = parse_address(listen)
+        super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+        self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
+        self.allocator = allocator or FreeList(layout.num_blocks)
+        self.grants = Grants(self.allocator, layout.block_bytes, max_inflight=max_inflight,
+                             tombstone_ttl=tombstone_ttl, retry_after=retry_after,
+                             quarantine=quarantine if self.transport.one_sided else 0.0,
+                             num_layers=layout.fingerprint.num_layers)
+        self.deadline = deadline
+        self.max_frame = max_frame
+        self.handshake_timeout = handshake_timeout
+        self.on_arrival = on_arrival
+        self.arrivals: queue.Queue[Arrival] = queue.Queue()
+        self.counters = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "bytes": 0}
+        self._sessions: dict[int, _ConsumerSession] = {}
+        self._sids = itertools.count(1)
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-accept").start()
+        self._reaper.start()
+
+    # ---- public -----------------------------------------------------------------------------------------
+    def get(self, timeout: float | None = None) -> Arrival:
+        """The next arrived request; ``DeadlineError`` if none arrives within ``timeout``."""
+        try:
+            return self.arrivals.get(timeout=timeout)
+        except queue.Empty:
+            raise DeadlineError(f"no arrival within {timeout}s") from None
+
+    def release(self, req: str) -> bool:
+        """Give an arrived request's blocks back to the allocator (the runtime is done with them)."""
+        return self.grants.release(req)
+
+    def cancel(self, req: str, reason: str = "cancelled by consumer") -> bool:
+        """Cancel an admitted push or a running pull; the producer is told, blocks are released."""
+        slot = self.grants.get(req)
+        if slot is None:
+            return False
+        self._fail_slot(slot, CancelledError(reason))
+        self._tell_members(slot, lambda gen: wire.Cancel(req=req, gen=gen, reason=reason))
+        return True
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters, **self.grants.counts(), sessions=len(self._sessions),
+                        free_blocks=getattr(self.allocator, "num_free", -1))
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def _tell_members(self, slot: Slot, make, skip: int | None = None) -> None:
+        """Send ``make(gen)`` to every producer session writing ``slot`` (all parts), by the generation each
+        of them knows."""
+        for sid, gen in slot.members():
+            with self._lock:
+                s = self._sessions.get(sid)
+            if s is not None and sid != skip:
+                s.send(make(gen))
+
+    # ---- connections ------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="kvxfer-session").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        ch = Channel(sock, self.max_frame)
+        try:
+            first = ch.recv(self.handshake_timeout)
+        except KVXferError as e:
+            _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
+            ch.close()
+            return
+        if isinstance(first, wire.DataHello):
+            if not handshake.token_ok(first.auth, self.auth):
+                return ch.close()
+            sock.settimeout(None)
+            return self.transport.accept_data(sock, first)
+        s = None
+        try:
+            s = self._welcome(ch, first)
+            sock.settimeout(None)
+            while s.alive:
+                self._on_message(s, ch.recv())
+        except KVXferError as e:
+            if not isinstance(e, PeerError):
+                _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
+            error = e
+        except Exception as e:  # noqa: BLE001 - a peer must never crash the consumer
+            log.exception("kvxfer consumer session")
+            error = PeerError(repr(e))
+        else:
+            error = PeerError("session closed")
+        if s is not None:
+            self._session_lost(s, error)
+        ch.close()
+
+    def _welcome(self, ch: Channel, first) -> _ConsumerSession:
+        msg, remote, pairing = handshake.check_hello(first, self.layout, self.transport_name, self.auth)
+        s = _ConsumerSession(next(self._sids), ch, msg.peer_id)
+        s.peer = Peer(s.sid, self.address, remote, pairing, msg.transport_meta, is_producer=False, auth=self.auth)
+        s.link = self.transport.connect(s.peer)
+        with self._lock:
+            self._sessions[s.sid] = s
+        ch.send(wire.Welcome(version=wire.VERSION, peer_id=self.peer_id, session=s.sid,
+                             layout=self.layout.desc(), transport=self.transport_name,
+                             transport_meta=self.transport.local_meta()))
+        return s
+
+    def _session_lost(self, s: _ConsumerSession, error: KVXferError) -> None:
+        with self._lock:
+            s.alive = False
+            self._sessions.pop(s.sid, None)
+            pulls = list(s.pulls.values())
+        lost = self.grants.peer_lost(s.sid, PeerError(f"producer {s.remote_id} lost: {error}"), time.monotonic())
+        self._count("failed", len(lost))
+        for _, ev in pulls:
+            ev.set()
+        self.transport.disconnect(s.sid)
+
+    # ---- control messages -------------------------------------------------------------------------------
+    def _on_message(self, s: _ConsumerSession, msg) -> None:
+        now = time.monotonic()
+        if isinstance(msg, wire.Admit):
+            return self._admit(s, msg, now)
+        if isinstance(msg, wire.Offer):
+            return self._offered(s, msg, now)
+        if isinstance(msg, wire.Done):
+            try:
+                slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, msg.meta, msg.digests)
+            except KVXferError as e:
+                self._refuse(s, msg.req, msg.gen, e)
+                return
+            if slot is not None:
+                self._deliver(slot, "push")
+            return
+        if isinstance(msg, wire.Cancel):
+            slot = self.grants.cancel(s.sid, msg.req, msg.gen, CancelledError(f"producer cancelled: {msg.reason}"),
+                                      now, one_sided=self.transport.one_sided)
+            if slot is not None:
+                self._failed(slot)
+                if slot.senders > 1:
+                    self._tell_members(slot, lambda gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason),
+                                       skip=s.sid)
+            return
+        if isinstance(msg, (wire.Ack, wire.Error)) and msg.req in s.pulls:
+            return self._pull_answer(s, msg)
+        if isinstance(msg, wire.Error):
+            return
+        raise ProtocolError(f"unexpected {type(msg).__name__} on a control connection")
+
+    def _refuse(self, s: _ConsumerSession, req: str, gen: int, e: KVXferError, attempt: int = 0) -> None:
+        s.send(wire.Error(req=req, gen=gen, code=e.code, message=str(e), attempt=attempt))
+
+    def _reject(self, s: _ConsumerSession, req: str, e: KVXferError, gen: int = 0, attempt: int = 0) -> None:
+        """Refuse an admission (push) or an offer (pull): ``Busy`` with its retry-after, else the error."""
+        self._count("rejected")
+        if isinstance(e, BusyError):
+            s.send(wire.Busy(req=req, retry_after_ms=ms(e.retry_after), reason=str(e), attempt=attempt))
+        else:
+            self._refuse(s, req, gen, e, attempt)
+
+    def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
+        deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
+        try:
+            slot, superseded = self.grants.admit(s.sid, msg.req, msg.num_blocks, deadline, now, senders=msg.senders,
+                                                 part=msg.part, layers=msg.layers, meta=msg.meta)
+        except KVXferError as e:
+            return self._reject(s, msg.req, e, attempt=msg.attempt)
+        self._count("admitted", not (slot.senders > 1 and len(slot.parts) > 1))
+        self._count("failed", len(superseded))
+        for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
+            self._tell_members(old, lambda gen: wire.Error(req=old.req, gen=gen, code=StaleError.code,
+                                                           message=f"request {old.req!r} superseded"),
+                               skip=s.sid)  # on the same session the answer would name the new transfer
+        gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
+        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+
+    def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
+        if self.grants.fail(slot.req, error, time.monotonic(), one_sided=self.transport.one_sided) is not None:
+            self._failed(slot)
+
+    def _failed(self, slot: Slot) -> None:
+        """Count a failed slot and stop the pull reading into it, if one is."""
+        self._count("failed")
+        with self._lock:
+            s = self._sessions.get(slot.peer)
+            pull = s.pulls.get(slot.req) if s else None
+        if pull is not None:
+            pull[1].set()
+
+    def _deliver(self, slot: Slot, kind: str) -> None:
+        with self._lock:
+            s = self._sessions.get(slot.peer)
+        err = self._integrity(slot) if kind == "push" else None  # a pull is checked before its release
+        if err is not None:
+            if self.grants.revoke(slot, err, time.monotonic()):
+                self._count("failed")
+            if s is not None:
+                s.send(wire.Error(req=slot.req, gen=slot.members()[0][1], code=err.code, message=str(err)))
+            return
+        with self._lock:
+            self.counters["completed"] += 1
+            self.counters["bytes"] += slot.nbytes
+        arrival = Arrival(slot.req, slot.ids, slot.meta, slot.nbytes, slot.gen,
+                          s.remote_id if s else "", kind, slot.digests,
+                          {"admitted": slot.admitted, "completed": time.monotonic()})
+        if kind == "push":
+            self._tell_members(slot, lambda gen: wire.Ack(req=slot.req, gen=gen))
+        if self.on_arrival is not None:
+            try:
+                self.on_arrival(arrival)
+            except Exception:  # noqa: BLE001 - the runtime's callback must not break the transport
+                log.exception("kvxfer on_arrival callback for %s", slot.req)
+        if self.queue_arrivals or self.on_arrival is None:
+            self.arrivals.put(arrival)
+
+    def _integrity(self, slot: Slot) -> IntegrityError | None:
+        """The error to fail ``slot`` with if its blocks differ from the producer's digests (when it sent any)."""
+        bad = mismatches(self.layout, slot.ids, slot.digests) if slot.digests else []
+        if not bad:
+            return None
+        err = IntegrityError(f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from the "
+                             f"producer's digests (first at position {bad[0]})")
+        log.error("kvxfer %s", err)
+        return err
+
+    def _reap(self, now: float) -> None:
+        for slot in self.grants.expired(now):
+            missing = slot.senders - len(slot.parts) if slot.senders > 1 else 0
+            err = DeadlineError(f"request {slot.req!r} passed its deadline"
+                                + (f" ({missing} of {slot.senders} senders never came)" if missing else ""))
+            self._fail_slot(slot, err)
+            self._tell_members(slot, lambda gen: wire.Error(req=slot.req, gen=gen, code=err.code, message=str(err)))
+        self.grants.reap(now)
+
+    # ---- pull -------------------------------------------------------------------------------------------
+    def _offered(self, s: _ConsumerSession, msg: wire.Offer, now: float) -> None:
+        try:
+            src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
+            check_ids(src, s.peer.layout.num_blocks, "offered block ids")
+            deadline = now + min(self.deadline, max(msg.lease_ms, 1) / 1000)
+            slot = self.grants.admit_pull(s.sid, msg.req, len(src), deadline, now, msg.gen, dict(msg.meta),
+                                          msg.digests)
+        except KVXferError as e:
+            return self._reject(s, msg.req, e, gen=msg.gen)
+        self._count("admitted")
+        cancel = threading.Event()
+        with self._lock:
+            s.pulls[msg.req] = (slot, cancel)
+        self.pool.submit(self._pull, s, slot, src, cancel)
+
+    def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event) -> None:
+        """Read an offer into the slot's blocks. The slot is *receiving* while the reader runs, so a failure
+        from any thread (cancel, deadline, lost session) frees the blocks only after the last byte landed."""
+        try:
+            self.grants.begin_receive(slot)
+        except KVXferError as e:  # failed before its turn: not a byte moves
+            return self._pull_failed(s, slot, e)
+        moved, error = 0, None
+        try:
+            moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel)
+        except KVXferError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001
+            error = PeerError(f"read failed: {e!r}")
+        self.grants.end_receive(slot, 0 if error else moved, time.monotonic())
+        error = error or slot.error or self._integrity(slot)
+        if error is not None:
+            return self._pull_failed(s, slot, error)
+        if not s.send(wire.Released(req=slot.req, gen=slot.lease_gen, nbytes=moved)):
+            self._pull_failed(s, slot, PeerError("producer gone before release"))
+
+    def _pull_failed(self, s: _ConsumerSession, slot: Slot, error: KVXferError) -> None:
+        with self._lock:
+            s.pulls.pop(slot.req, None)
+        self._fail_slot(slot, error)
+        s.send(wire.Error(req=slot.req, gen=slot.lease_gen, code=error.code, message=str(error)))
+
+    def _pull_answer(self, s: _ConsumerSession, msg) -> None:
+        with self._lock:
+            slot, _ = s.pulls.pop(msg.req)
+        if msg.gen != slot.lease_gen or self.grants.get(msg.req) is not slot:
+            return
+        if isinstance(msg, wire.Error):
+            self._fail_slot(slot, from_code(msg.code, f"producer: {msg.message}"))
+            return
+        ready = self.grants.confirm(slot)
+        if ready is not None:
+            self._deliver(ready, "pull")
+
+    # ---- WriteHost: the transport asks before landing bytes, and reports what landed ---------------------
+    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
+        return self.grants.begin_write(session, req, gen, ids)
+
+    def end_write(self, ticket: Slot | Part, nbytes: int, error: BaseException | None) -> None:
+        part = ticket if isinstance(ticket, Part) else None
+        slot = part.slot if part else ticket
+        if error is not None:
+            err = error if isinstance(error, KVXferError) else PeerError(f"receive failed: {error!r}")
+            self._fail_slot(slot, err)
+        ready = self.grants.end_receive(slot, 0 if error is not None else nbytes, time.monotonic(), part)
+        if ready is not None:
+            self._deliver(ready, "push")
+
+    def landed(self, session: int, req: str, gen: int, nbytes: int) -> None:
+        try:
+            ready = self.grants.landed(session, req, gen, nbytes)
+        except KVXferError:
+            return
+        if ready is not None:
+            self._deliver(ready, "push")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            s.ch.close()
+            self._session_lost(s, ClosedError("consumer closed"))
+        self._close_common()
+
+
+def _tell(ch: Channel, msg) -> None:
+    try:
+        ch.send(msg)
+    except KVXferError:
+        pass

@@ -1,0 +1,77 @@
+"""What a Producer and a Consumer share: their transport, a reaper thread, a worker pool, and closing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from . import transports
+from .errors import ClosedError
+from .layout import KVLayout
+
+log = logging.getLogger("kvxfer")
+
+REAP_INTERVAL = 0.02
+
+
+def deadline_in(seconds: float) -> float:
+    """The monotonic time ``seconds`` from now."""
+    return time.monotonic() + seconds
+
+
+def ms(seconds: float) -> int:
+    """Seconds as the wire's milliseconds, at least 1."""
+    return max(1, int(seconds * 1000))
+
+
+class HandleBase:
+    """A transport bound to this handle (its host), a reaper that enforces deadlines every 20 ms, and a
+    worker pool; subclasses say what reaping and closing mean for their side."""
+
+    def __init__(self, layout: KVLayout, transport: str, auth: str, transport_options: dict | None,
+                 peer_id: str | None, workers: int):
+        self.layout = layout
+        self.auth = auth
+        self.peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cls = transports.get(transports.resolve(transport))
+        self.transport = cls(layout, self, auth=auth, **dict(transport_options or {}))
+        self.transport_name = self.transport.name
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvxfer-worker")
+        self.closed = False
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="kvxfer-reaper")
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(REAP_INTERVAL):
+            try:
+                self._reap(time.monotonic())
+            except Exception:  # noqa: BLE001 - the reaper must survive anything to keep deadlines
+                log.exception("kvxfer reaper")
+
+    def _reap(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("handle is closed")
+
+    def _close_common(self) -> None:
+        self.closed = True
+        self._stop.set()
+        self.transport.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,336 @@
+"""The prefill side: a ``Producer`` pushes a request's blocks into a consumer's grant, or offers them for the
+consumer to pull under a lease. One control session per consumer address; bytes move on the worker pool so
+``push`` and ``offer`` return at once with a ``Transfer`` (a future).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from . import handshake, wire
+from .channel import Channel, connect, parse_address
+from .digest import block_digests
+from .errors import (BlockError, BusyError, CancelledError, ClosedError, DeadlineError, KVXferError,
+                     LeaseExpiredError, PeerError, ProtocolError, from_code)
+from .layout import KVLayout
+from .ledger import Lease, Leases
+from .lifecycle import HandleBase, deadline_in, ms
+from .plan import check_ids
+from .transfer import Status, Transfer, _attempts
+from .transports.base import Peer
+
+log = logging.getLogger("kvxfer")
+
+
+class _ProducerSession:
+    def __init__(self, owner: "Producer", address: str, ch: Channel, peer: Peer, link, remote_id: str):
+        self.owner = owner
+        self.address = address
+        self.ch = ch
+        self.peer = peer
+        self.link = link
+        self.remote_id = remote_id
+        self.transfers: dict[str, Transfer] = {}
+        self.alive = True
+        self.thread = threading.Thread(target=self._read_loop, daemon=True, name=f"kvxfer-producer-{address}")
+
+    def send(self, msg) -> None:
+        try:
+            self.ch.send(msg)
+        except KVXferError:
+            self.owner._session_lost(self, PeerError(f"consumer {self.address} is gone"))
+
+    def _read_loop(self) -> None:
+        error: KVXferError = PeerError(f"consumer {self.address} closed the connection")
+        try:
+            while self.alive:
+                self.owner._on_message(self, self.ch.recv())
+        except KVXferError as e:
+            error = e if not isinstance(e, PeerError) else PeerError(f"consumer {self.address}: {e}")
+        except Exception as e:  # noqa: BLE001
+            error = PeerError(f"consumer {self.address}: {e!r}")
+        self.owner._session_lost(self, error)
+
+
+class Producer(HandleBase):
+    """The prefill side: pushes blocks into a consumer's grant, or offers them for the consumer to pull.
+
+    ``transport`` is ``"tcp"``, ``"nixl"`` or ``"auto"``; ``deadline`` (seconds) bounds every transfer that
+    does not name its own; ``auth`` is a shared token the consumer must expect.
+    """
+
+    def __init__(self, layout: KVLayout, *, transport: str = "auto", auth: str = "", deadline: float = 30.0,
+                 lease: float = 30.0, connect_timeout: float = 5.0, peer_id: str | None = None,
+                 transport_options: dict | None = None, workers: int = 8, max_frame: int = wire.MAX_FRAME):
+        super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+        self.deadline = deadline
+        self.lease = lease
+        self.connect_timeout = connect_timeout
+        self.max_frame = max_frame
+        self.leases = Leases()
+        self._sessions: dict[str, _ProducerSession] = {}
+        self._connecting: dict[str, threading.Lock] = {}
+        self._reaper.start()
+
+    # ---- sessions ---------------------------------------------------------------------------------------
+    def _session(self, address: str, deadline: float) -> _ProducerSession:
+        with self._lock:
+            s = self._sessions.get(address)
+            if s is not None and s.alive:
+                return s
+            gate = self._connecting.setdefault(address, threading.Lock())
+        with gate:
+            with self._lock:
+                s = self._sessions.get(address)
+                if s is not None and s.alive:
+                    return s
+            s = self._handshake(address, min(self.connect_timeout, max(0.05, deadline - time.monotonic())))
+            with self._lock:
+                self._check_open()
+                self._sessions[address] = s
+            s.thread.start()
+            return s
+
+    def _handshake(self, address: str, timeout: float) -> _ProducerSession:
+        parse_address(address)
+        ch = Channel(connect(address, timeout), self.max_frame)
+        try:
+            opening = handshake.hello(self.peer_id, self.layout, self.transport_name, self.transport.local_meta(),
+                                      self.auth)
+            reply, remote, pairing = handshake.check_welcome(ch.request(opening, timeout), address, self.layout,
+                                                             self.transport_name)
+            peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True,
+                        auth=self.auth)
+            ch.sock.settimeout(None)
+            link = self.transport.connect(peer)
+            return _ProducerSession(self, address, ch, peer, link, reply.peer_id)
+        except BaseException:
+            ch.close()
+            raise
+
+    def _session_lost(self, s: _ProducerSession, error: KVXferError) -> None:
+        with self._lock:
+            if not s.alive:
+                return
+            s.alive = False
+            if self._sessions.get(s.address) is s:
+                del self._sessions[s.address]
+            pending = list(s.transfers.values())
+            s.transfers.clear()
+        for t in pending:
+            self._end(t, error)
+        s.ch.close()
+        self.transport.disconnect(s.peer.session)
+
+    # ---- submitting -------------------------------------------------------------------------------------
+    def _start(self, kind: str, address: str, req: str, block_ids, deadline: float | None) -> Transfer:
+        self._check_open()
+        ids = check_ids(block_ids, self.layout.num_blocks, "source block ids")
+        seconds = self.deadline if deadline is None else deadline
+        t = Transfer(str(req), kind, address, ids, self.layout.block_bytes, deadline_in(seconds))
+        t._on_cancel = self._cancelled
+        return t
+
+    def _enroll(self, t: Transfer) -> _ProducerSession:
+        s = self._session(t.address, t.deadline)
+        with self._lock:
+            if t.req in s.transfers:
+                raise BlockError(f"request {t.req!r} is already in flight to {t.address}")
+            s.transfers[t.req] = t
+        return s
+
+    def push(self, address: str, req: str, block_ids, *, meta: dict | None = None,
+             deadline: float | None = None, digests: bool = False, dst_block_ids=None,
+             layers=None, senders: int = 1, part: int = 0, retry_busy: bool = False) -> Transfer:
+        """Ask ``address`` to admit ``len(block_ids)`` blocks and write these blocks into its grant.
+
+        Returns at once; the transfer goes on in the background. ``dst_block_ids`` (a test hook for the
+        protocol's fencing) overrides the granted destination, which the consumer must refuse unless equal.
+        ``digests`` sends a CRC per block for the consumer to check (host memory; for tests and debugging).
+
+        Multi-sender (tensor-parallel prefill ranks): ``senders`` producers each push ``part`` of one request,
+        carrying only ``layers`` (disjoint, together every layer) into the same granted blocks; the consumer
+        hands the request off once every part is done.
+
+        ``retry_busy``: a ``Busy`` consumer is asked again after the ``retry_after`` it named, until the
+        deadline (then ``DeadlineError``); without it the transfer ends with ``BusyError`` at once.
+        """
+        t = self._start("push", address, req, block_ids, deadline)
+        t.meta = dict(meta or {})
+        if senders == 1 and layers is not None \
+                and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
+            raise BlockError("a subset of layers is one part of a multi-sender push: give senders and part")
+        if senders > 1:
+            if digests:
+                raise BlockError("per-block digests cover whole blocks: not for a multi-sender push")
+            n = self.layout.fingerprint.num_layers
+            t.layers = sorted(int(x) for x in (range(n) if layers is None else layers))  # checked by the consumer
+            t.nbytes = len(t.src_ids) * self.layout.fingerprint.layer_bytes * len(t.layers)
+        t.digests = block_digests(self.layout, t.src_ids) if digests else b""
+        t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
+        t.retry_busy = retry_busy
+        t.senders, t.part = senders, part
+        try:
+            self._admit(self._enroll(t), t)
+        except KVXferError as e:
+            self._end(t, e)
+        return t
+
+    def _admit(self, s: _ProducerSession, t: Transfer) -> None:
+        s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids), attempt=t.attempt,
+                          deadline_ms=ms(t.deadline - time.monotonic()), meta=t.meta,
+                          **({"senders": t.senders, "part": t.part, "layers": t.layers} if t.senders > 1 else {})))
+
+    def offer(self, address: str, req: str, block_ids, *, meta: dict | None = None,
+              lease: float | None = None, digests: bool = False) -> Transfer:
+        """Offer blocks for ``address`` to pull; the transfer ends when the consumer released them (the
+        producer may then free them) or when the lease runs out (``LeaseExpiredError``)."""
+        seconds = self.lease if lease is None else lease
+        t = self._start("pull", address, req, block_ids, seconds)
+        try:
+            s = self._enroll(t)
+            t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
+            s.send(wire.Offer(req=t.req, gen=t.gen, ids=wire.ids_to_bytes(t.src_ids), lease_ms=ms(seconds),
+                              meta=dict(meta or {}),
+                              digests=block_digests(self.layout, t.src_ids) if digests else b""))
+        except KVXferError as e:
+            self._end(t, e)
+        return t
+
+    # ---- ending -----------------------------------------------------------------------------------------
+    def _end(self, t: Transfer, error: KVXferError | None, status: Status | None = None) -> None:
+        with self._lock:
+            s = self._sessions.get(t.address)
+            if s is not None and s.transfers.get(t.req) is t:
+                del s.transfers[t.req]
+            if t.kind == "pull":
+                self.leases.drop(t.req, t.gen)
+        if t._finish(error, status) and error is not None:
+            log.debug("kvxfer %s %s failed: %s", t.kind, t.req, error)
+
+    def _cancelled(self, t: Transfer, reason: str) -> None:
+        with self._lock:
+            s = self._sessions.get(t.address)
+        self._end(t, t.error, Status.CANCELLED)
+        if s is not None and s.alive:
+            s.send(wire.Cancel(req=t.req, gen=t.gen, reason=reason))
+
+    def _fail(self, s: _ProducerSession, t: Transfer, error: KVXferError, tell: bool = True) -> None:
+        self._end(t, error)
+        if tell and s.alive:
+            s.send(wire.Cancel(req=t.req, gen=t.gen, reason=str(error)))
+
+    def _reap(self, now: float) -> None:
+        with self._lock:
+            live = [(s, t) for s in self._sessions.values() for t in s.transfers.values()]
+        for s, t in live:
+            if t.deadline <= now:
+                err = LeaseExpiredError if t.kind == "pull" else DeadlineError
+                busy = " (the consumer stayed busy)" if t.retry_at else ""
+                self._fail(s, t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline "
+                                     f"while {t.status.value}{busy}"))
+            elif t.retry_at and t.retry_at <= now and not t.done():
+                t.retry_at, t.attempt = 0.0, next(_attempts)
+                self._admit(s, t)
+
+    # ---- control messages -------------------------------------------------------------------------------
+    def _on_message(self, s: _ProducerSession, msg) -> None:
+        req = getattr(msg, "req", "")
+        with self._lock:
+            t = s.transfers.get(req)
+        if isinstance(msg, wire.Error) and not req:
+            raise from_code(msg.code, msg.message)
+        if t is None:
+            return  # a late answer for a transfer that already ended
+        if getattr(msg, "attempt", 0) and msg.attempt != t.attempt:
+            return  # the answer to an earlier attempt of the same request id
+        if isinstance(msg, wire.Grant) and t.kind == "push" and t.status is Status.PENDING:
+            self._granted(s, t, msg)
+        elif isinstance(msg, wire.Busy):
+            if t.retry_busy:  # the reaper asks again; the deadline still bounds it
+                t.retry_at = time.monotonic() + msg.retry_after_ms / 1000
+            else:
+                self._end(t, BusyError(f"consumer {s.address} busy: {msg.reason}", msg.retry_after_ms / 1000))
+        elif isinstance(msg, wire.Error):
+            self._end(t, from_code(msg.code, f"consumer {s.address}: {msg.message}"))
+        elif isinstance(msg, wire.Cancel):
+            self._end(t, CancelledError(f"consumer {s.address} cancelled {req!r}: {msg.reason}"), Status.CANCELLED)
+        elif isinstance(msg, wire.Ack) and msg.gen == t.gen and t.status is Status.COMMITTING:
+            self._end(t, None)
+        elif isinstance(msg, wire.Released) and t.kind == "pull":
+            self._released(s, t, msg)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} for {req!r} while {t.status.value}")
+
+    def _granted(self, s: _ProducerSession, t: Transfer, msg: wire.Grant) -> None:
+        t.gen = msg.gen
+        try:
+            t.dst_ids = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
+            if len(t.dst_ids) != len(t.src_ids):
+                raise BlockError(f"consumer granted {len(t.dst_ids)} blocks for {len(t.src_ids)}")
+        except KVXferError as e:
+            return self._fail(s, t, e)
+        t._mark(Status.MOVING, "admitted")
+        try:
+            self.pool.submit(self._move, s, t)
+        except RuntimeError:
+            self._fail(s, t, ClosedError("producer closed"))
+
+    def _move(self, s: _ProducerSession, t: Transfer) -> None:
+        if t.done():  # cancelled, superseded or timed out before its turn: not a byte moves
+            return
+        dst = t.dst_ids if t.override is None else t.override
+        try:
+            if self.transport.one_sided and not np.array_equal(dst, t.dst_ids):
+                # RDMA gives the receiver no say over a remote write: the grant is enforced here
+                raise BlockError(f"request {t.req!r} would write blocks it was not granted")
+            if t.layers is None:
+                t._descriptors = lambda: s.link.descriptors(t.src_ids, dst)
+                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
+            else:
+                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, layers=t.layers)
+        except KVXferError as e:
+            return self._fail(s, t, e)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(s, t, PeerError(f"write failed: {e!r}"))
+        if t.done():
+            return
+        t._mark(Status.COMMITTING, "moved")
+        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=t.digests))
+
+    def _released(self, s: _ProducerSession, t: Transfer, msg: wire.Released) -> None:
+        now = time.monotonic()
+        try:
+            self.leases.release(t.req, msg.gen, now)
+            ok = None
+        except KVXferError as e:
+            ok = e
+        if ok is None:
+            t.timings["moved"] = now
+            s.send(wire.Ack(req=t.req, gen=msg.gen))
+            self._end(t, None)
+        else:
+            s.send(wire.Error(req=t.req, gen=msg.gen, code=ok.code, message=str(ok)))
+            self._end(t, LeaseExpiredError(str(ok)))
+
+    # ---- ReadHost: the transport asks before serving a pull's read ---------------------------------------
+    def begin_read(self, session: int, req: str, gen: int, ids: np.ndarray) -> Lease:
+        return self.leases.check_read(session, req, gen, ids, time.monotonic())
+
+    def end_read(self, ticket: Lease, nbytes: int, error: BaseException | None) -> None:
+        """Reads need no accounting here: the consumer's ``Released`` ends the lease."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for s in sessions:
+            self._session_lost(s, ClosedError("producer closed"))
+        self._close_common()
+
+

@@ -1,0 +1,170 @@
+"""What a transfer is, as each side sees it: the producer's ``Transfer`` (a future) and the consumer's ``Arrival``."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import CancelledError, DeadlineError, KVXferError
+
+log = logging.getLogger("kvxfer")
+
+_attempts = itertools.count(1)  # every admission attempt has an id of its own: answers name it
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"        # waiting for admission (push) or for the consumer to read (pull)
+    MOVING = "moving"          # bytes in flight
+    COMMITTING = "committing"  # bytes moved, waiting for the other side to confirm
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Transfer:
+    """One request's KV crossing, as the producer sees it: a future that always ends in time.
+
+    ``wait`` blocks until it ended; ``add_done_callback`` (the ``concurrent.futures`` contract) runs a function
+    when it ends, so a caller with many transfers in flight keeps no thread blocked per transfer.
+    """
+
+    def __init__(self, req: str, kind: str, address: str, src_ids: np.ndarray, block_bytes: int,
+                 deadline: float):
+        self.req = req
+        self.kind = kind
+        self.address = address
+        self.src_ids = src_ids
+        self.dst_ids: np.ndarray | None = None
+        self.gen = 0
+        self.deadline = deadline
+        self.status = Status.PENDING
+        self.error: KVXferError | None = None
+        self.nbytes = len(src_ids) * block_bytes
+        self._descriptors: int | Callable[[], int] = 0
+        self.attempt = next(_attempts)
+        self.meta: dict[str, Any] = {}
+        self.override: np.ndarray | None = None
+        self.layers: list[int] | None = None   # one part of a multi-sender push: only these layers
+        self.senders, self.part = 1, 0          # multi-sender: this push is part ``part`` of ``senders``
+        self.digests = b""
+        self.timings: dict[str, float] = {"submitted": time.monotonic()}
+        self.cancel_event = threading.Event()
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._on_cancel: Callable[[Transfer, str], None] | None = None
+        self._callbacks: list[Callable[[Transfer], Any]] = []
+        self.retry_busy = False   # a Busy answer is retried after its retry_after, until the deadline
+        self.retry_at = 0.0       # when the next admission attempt goes out (0: none pending)
+
+    def __repr__(self) -> str:
+        return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"
+
+    def done(self) -> bool:
+        return self._ended.is_set()
+
+    def wait(self, timeout: float | None = None) -> "Transfer":
+        """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
+        limit = max(0.0, self.deadline - time.monotonic()) + 1.0
+        if not self._ended.wait(limit if timeout is None else min(timeout, limit)):
+            raise DeadlineError(f"transfer {self.req!r} still {self.status.value} after waiting")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def add_done_callback(self, fn: Callable[["Transfer"], Any]) -> None:
+        """Call ``fn(transfer)`` once it ended: at once if it already has, else in the thread that ends it.
+        An exception in ``fn`` is logged and ignored, as ``concurrent.futures`` does."""
+        with self._lock:
+            if not self._ended.is_set():
+                self._callbacks.append(fn)
+                return
+        self._call(fn)
+
+    def _call(self, fn: Callable[["Transfer"], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:  # noqa: BLE001 - a caller's callback must not break the transport
+            log.exception("kvxfer done callback of %s", self.req)
+
+    def result(self, timeout: float | None = None) -> "Transfer":
+        """``wait``, under the name ``concurrent.futures`` gives it."""
+        return self.wait(timeout)
+
+    def exception(self, timeout: float | None = None) -> KVXferError | None:
+        """The error the transfer ended with (``None`` when done), waiting for the end like ``wait``."""
+        try:
+            self.wait(timeout)
+        except KVXferError as e:
+            if e is self.error:
+                return e
+            raise
+        return None
+
+    def cancel(self, reason: str = "cancelled by caller") -> bool:
+        """Stop the transfer; the other side is told and both release what they hold."""
+        if self._finish(CancelledError(reason), Status.CANCELLED):
+            if self._on_cancel is not None:
+                self._on_cancel(self, reason)
+            return True
+        return False
+
+    @property
+    def descriptors(self) -> int:
+        """Descriptors the transfer cost after coalescing (planned again on first access, off the hot path)."""
+        if callable(self._descriptors):
+            self._descriptors = self._descriptors()
+        return self._descriptors
+
+    @property
+    def seconds(self) -> float:
+        end = self.timings.get("completed", time.monotonic())
+        return end - self.timings["submitted"]
+
+    @property
+    def gbps(self) -> float:
+        start = self.timings.get("admitted", self.timings["submitted"])
+        end = self.timings.get("moved")
+        return self.nbytes / (end - start) / 1e9 if end and end > start else 0.0
+
+    def _mark(self, status: Status, stamp: str) -> None:
+        with self._lock:
+            if not self._ended.is_set():
+                self.status = status
+                self.timings[stamp] = time.monotonic()
+
+    def _finish(self, error: KVXferError | None, status: Status | None = None) -> bool:
+        with self._lock:
+            if self._ended.is_set():
+                return False
+            self.error = error
+            self.status = status or (Status.DONE if error is None else Status.FAILED)
+            self.timings["completed"] = time.monotonic()
+            if error is not None:
+                self.cancel_event.set()
+            self._ended.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+        return True
+
+
+@dataclass
+class Arrival:
+    """A request whose KV landed in the consumer's blocks: hand it to the decode runtime, ``release`` it after."""
+
+    req: str
+    block_ids: np.ndarray
+    meta: dict[str, Any]
+    nbytes: int
+    gen: int
+    peer: str
+    kind: str
+    digests: bytes = b""
+    timings: dict[str, float] = field(default_factory=dict)
