@@ -17,16 +17,16 @@ import numpy as np
 
 from . import handshake, wire
 from .allocator import Allocator, FreeList
-from .channel import Channel, parse_address
+from .channel import Channel, parse_address, remaining
 from .digest import mismatches
-from .errors import (BusyError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
+from .errors import (AuthError, BusyError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
                      ProtocolError, StaleError, from_code)
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
 from .lifecycle import HandleBase, ms
 from .plan import check_ids
 from .transfer import Arrival
-from .transports.base import Peer
+from .transports.base import Peer, Transport
 
 log = logging.getLogger("kvxfer")
 
@@ -42,6 +42,8 @@ class _ConsumerSession:
         self.peer: Peer | None = None
         self.alive = True
         self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
+        self.transport: Transport | None = None    # the one both sides agreed on in the handshake
+        self.data_nonces: set[bytes] = set()        # each data connection proves the session key once
 
     def send(self, msg) -> bool:
         try:
@@ -71,7 +73,7 @@ class Consumer(HandleBase):
         self.allocator = allocator or FreeList(layout.num_blocks)
         self.grants = Grants(self.allocator, layout.block_bytes, max_inflight=max_inflight,
                              tombstone_ttl=tombstone_ttl, retry_after=retry_after,
-                             quarantine=quarantine if self.transport.one_sided else 0.0,
+                             quarantine=quarantine,
                              num_layers=layout.fingerprint.num_layers)
         self.deadline = deadline
         self.max_frame = max_frame
@@ -137,20 +139,18 @@ class Consumer(HandleBase):
 
     def _serve(self, sock: socket.socket) -> None:
         ch = Channel(sock, self.max_frame)
+        end = time.monotonic() + self.handshake_timeout  # one deadline for the whole handshake
         try:
             first = ch.recv(self.handshake_timeout)
+            if isinstance(first, wire.DataHello):
+                return self._accept_data(ch, first)
         except KVXferError as e:
             _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
             ch.close()
             return
-        if isinstance(first, wire.DataHello):
-            if not handshake.token_ok(first.auth, self.auth):
-                return ch.close()
-            sock.settimeout(None)
-            return self.transport.accept_data(sock, first)
         s = None
         try:
-            s = self._welcome(ch, first)
+            s = self._welcome(ch, first, end)
             sock.settimeout(None)
             while s.alive:
                 self._on_message(s, ch.recv())
@@ -167,16 +167,29 @@ class Consumer(HandleBase):
             self._session_lost(s, error)
         ch.close()
 
-    def _welcome(self, ch: Channel, first) -> _ConsumerSession:
-        msg, remote, pairing = handshake.check_hello(first, self.layout, self.transport_name, self.auth)
-        s = _ConsumerSession(next(self._sids), ch, msg.peer_id)
-        s.peer = Peer(s.sid, self.address, remote, pairing, msg.transport_meta, is_producer=False, auth=self.auth)
-        s.link = self.transport.connect(s.peer)
+    def _accept_data(self, ch: Channel, hello: wire.DataHello) -> None:
+        """A transport data connection: it must prove the key of a live session, with a nonce never seen."""
+        with self._lock:
+            s = self._sessions.get(hello.session)
+            if s is None or not s.alive:
+                raise AuthError(f"data connection for unknown session {hello.session}")
+            handshake.check_data_hello(hello, s.peer.key, s.data_nonces)
+        ch.sock.settimeout(None)
+        s.transport.accept_data(ch.sock, hello)
+
+    def _welcome(self, ch: Channel, first, end: float) -> _ConsumerSession:
+        hello = handshake.check_hello(first)
+        challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
+        ch.send(challenge)
+        remote, pairing, name, meta, key = handshake.check_proof(ch.recv(remaining(end)), self.auth, hello.nonce,
+                                                                 nonce, self.layout, list(self.transports))
+        s = _ConsumerSession(next(self._sids), ch, hello.peer_id)
+        s.transport = self.transports[name]
+        s.peer = Peer(s.sid, self.address, remote, pairing, meta, is_producer=False, key=key)
+        s.link = s.transport.connect(s.peer)
         with self._lock:
             self._sessions[s.sid] = s
-        ch.send(wire.Welcome(version=wire.VERSION, peer_id=self.peer_id, session=s.sid,
-                             layout=self.layout.desc(), transport=self.transport_name,
-                             transport_meta=self.transport.local_meta()))
+        ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key))
         return s
 
     def _session_lost(self, s: _ConsumerSession, error: KVXferError) -> None:
@@ -188,7 +201,8 @@ class Consumer(HandleBase):
         self._count("failed", len(lost))
         for _, ev in pulls:
             ev.set()
-        self.transport.disconnect(s.sid)
+        if s.transport is not None:
+            s.transport.disconnect(s.sid)
 
     # ---- control messages -------------------------------------------------------------------------------
     def _on_message(self, s: _ConsumerSession, msg) -> None:
@@ -208,7 +222,7 @@ class Consumer(HandleBase):
             return
         if isinstance(msg, wire.Cancel):
             slot = self.grants.cancel(s.sid, msg.req, msg.gen, CancelledError(f"producer cancelled: {msg.reason}"),
-                                      now, one_sided=self.transport.one_sided)
+                                      now)
             if slot is not None:
                 self._failed(slot)
                 if slot.senders > 1:
@@ -236,7 +250,8 @@ class Consumer(HandleBase):
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
             slot, superseded = self.grants.admit(s.sid, msg.req, msg.num_blocks, deadline, now, senders=msg.senders,
-                                                 part=msg.part, layers=msg.layers, meta=msg.meta)
+                                                 part=msg.part, layers=msg.layers, meta=msg.meta,
+                                                 one_sided=s.transport.one_sided)
         except KVXferError as e:
             return self._reject(s, msg.req, e, attempt=msg.attempt)
         self._count("admitted", not (slot.senders > 1 and len(slot.parts) > 1))
@@ -249,7 +264,7 @@ class Consumer(HandleBase):
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
-        if self.grants.fail(slot.req, error, time.monotonic(), one_sided=self.transport.one_sided) is not None:
+        if self.grants.fail(slot.req, error, time.monotonic()) is not None:
             self._failed(slot)
 
     def _failed(self, slot: Slot) -> None:
@@ -313,7 +328,7 @@ class Consumer(HandleBase):
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             deadline = now + min(self.deadline, max(msg.lease_ms, 1) / 1000)
             slot = self.grants.admit_pull(s.sid, msg.req, len(src), deadline, now, msg.gen, dict(msg.meta),
-                                          msg.digests)
+                                          msg.digests, one_sided=s.transport.one_sided)
         except KVXferError as e:
             return self._reject(s, msg.req, e, gen=msg.gen)
         self._count("admitted")

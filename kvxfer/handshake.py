@@ -1,36 +1,65 @@
-"""The handshake's checks, written once for both sides: version, auth, transport, layout compatibility.
+"""The handshake, written once for both sides: mutual proof of the shared token, then version, transport and
+layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and ``consumer`` drive them.
 
-Plain functions over wire messages (sans-IO): the producer builds a ``Hello`` and checks the ``Welcome``;
-the consumer checks the ``Hello``. Each returns the peer's layout and the pairing of the two layouts,
-or raises the typed error the other side is told.
+    producer -> Hello(version, peer_id, nonce_p)
+    consumer -> Challenge(version, peer_id, nonce_c, proof_c = HMAC(token, "consumer" | nonce_p | nonce_c | id_c))
+    producer -> Proof(proof_p = HMAC(token, "producer" | nonce_p | nonce_c | layout | transports), layout, transports)
+    consumer -> Welcome(session, layout, transport, meta, mac = HMAC(key, "welcome" | session | layout | transport | meta))
+
+with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. The token never crosses the wire; each side proves
+it over a nonce the other just chose, so a replayed message fails; no layout (whose regions name raw
+addresses) and no transport metadata (a NIXL agent's whole registered region) is revealed before both proofs
+held. Every data connection then proves the session key over a fresh nonce (``DataHello``). An empty token
+is a token like any other: both sides must use it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
+import struct
+
+import msgspec
 
 from . import wire
 from .errors import AuthError, IncompatibleError, LayoutError, ProtocolError, from_code
 from .layout import KVLayout, check_compatible
 from .plan import Pairing, pair
 
-
-def token_ok(given: str, expected: str) -> bool:
-    """Constant-time comparison of shared tokens."""
-    return hmac.compare_digest(given.encode(), expected.encode())
+NONCE_BYTES = 32
+_enc = msgspec.msgpack.Encoder()
 
 
-def hello(peer_id: str, layout: KVLayout, transport: str, transport_meta: bytes, auth: str) -> wire.Hello:
-    """The producer's opening message."""
-    return wire.Hello(version=wire.VERSION, peer_id=peer_id, layout=layout.desc(), transport=transport,
-                      transport_meta=transport_meta, auth=auth)
+def nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
 
 
-def _agree(version: int, transport: str, local_transport: str, other: str) -> None:
-    if version != wire.VERSION:
-        raise IncompatibleError(f"protocol version {version} != {wire.VERSION}")
-    if transport != local_transport:
-        raise IncompatibleError(f"{other} uses transport {transport!r}, this side {local_transport!r}")
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over length-prefixed parts, so no two different part lists hash the same bytes."""
+    h = hmac.new(key, label, hashlib.sha256)
+    for p in parts:
+        h.update(struct.pack(">I", len(p)))
+        h.update(p)
+    return h.digest()
+
+
+def _token(token: str) -> bytes:
+    return token.encode()
+
+
+def _check_nonce(n: bytes) -> None:
+    if len(n) != NONCE_BYTES:
+        raise ProtocolError(f"nonce of {len(n)} bytes, expected {NONCE_BYTES}")
+
+
+def _version(v: int) -> None:
+    if v != wire.VERSION:
+        raise IncompatibleError(f"protocol version {v} != {wire.VERSION}")
+
+
+def session_key(token: str, nonce_p: bytes, nonce_c: bytes) -> bytes:
+    return _mac(_token(token), b"kvxfer-session", nonce_p, nonce_c)
 
 
 def _remote_layout(desc: wire.LayoutDesc, local: KVLayout) -> KVLayout:
@@ -42,26 +71,107 @@ def _remote_layout(desc: wire.LayoutDesc, local: KVLayout) -> KVLayout:
     return remote
 
 
-def check_hello(msg, layout: KVLayout, transport: str, auth: str) -> tuple[wire.Hello, KVLayout, Pairing]:
-    """Consumer: the producer's ``Hello`` is acceptable; returns it, the producer's layout and the pairing
-    (side ``a`` the producer's)."""
-    if not isinstance(msg, wire.Hello):
-        raise ProtocolError(f"expected hello, got {type(msg).__name__}")
-    if msg.version != wire.VERSION:
-        raise IncompatibleError(f"protocol version {msg.version} != {wire.VERSION}")
-    if not token_ok(msg.auth, auth):
-        raise AuthError("bad auth token")
-    _agree(msg.version, msg.transport, transport, "producer")
-    remote = _remote_layout(msg.layout, layout)
-    return msg, remote, pair(remote, layout)
+# ---- producer side -----------------------------------------------------------------------------------------
+def hello(peer_id: str) -> tuple[wire.Hello, bytes]:
+    """The producer's opening message and the nonce it challenges with."""
+    n = nonce()
+    return wire.Hello(version=wire.VERSION, peer_id=peer_id, nonce=n), n
 
 
-def check_welcome(msg, address: str, layout: KVLayout, transport: str) -> tuple[wire.Welcome, KVLayout, Pairing]:
-    """Producer: the consumer's answer to our ``Hello`` is a ``Welcome`` we can work with."""
+def answer(msg, address: str, token: str, nonce_p: bytes, layout: KVLayout,
+           offers: list[tuple[str, bytes]]) -> tuple[wire.Proof, bytes]:
+    """Producer: check the consumer's ``Challenge``; returns our ``Proof`` (layout and transport offers) and the
+    session key."""
+    if isinstance(msg, wire.Error):
+        raise from_code(msg.code, f"consumer {address} refused the handshake: {msg.message}")
+    if not isinstance(msg, wire.Challenge):
+        raise ProtocolError(f"expected challenge, got {type(msg).__name__}")
+    _version(msg.version)
+    _check_nonce(msg.nonce)
+    expected = _mac(_token(token), b"kvxfer-consumer", nonce_p, msg.nonce, msg.peer_id.encode())
+    if not hmac.compare_digest(expected, msg.proof):
+        raise AuthError(f"consumer {address} could not prove the auth token")
+    desc = layout.desc()
+    proof = _mac(_token(token), b"kvxfer-producer", nonce_p, msg.nonce, _enc.encode(desc), _enc.encode(offers))
+    return wire.Proof(proof=proof, layout=desc, transports=offers), session_key(token, nonce_p, msg.nonce)
+
+
+def check_welcome(msg, address: str, key: bytes, layout: KVLayout,
+                  offered: list[str]) -> tuple[wire.Welcome, KVLayout, Pairing]:
+    """Producer: the consumer's ``Welcome`` is authentic, names a transport we offered and a layout we pair with
+    (side ``a`` of the pairing is ours)."""
     if isinstance(msg, wire.Error):
         raise from_code(msg.code, f"consumer {address} refused the handshake: {msg.message}")
     if not isinstance(msg, wire.Welcome):
         raise ProtocolError(f"expected welcome, got {type(msg).__name__}")
-    _agree(msg.version, msg.transport, transport, "consumer")
+    if not hmac.compare_digest(_welcome_mac(key, msg), msg.mac):
+        raise AuthError(f"consumer {address} sent a welcome not bound to this session")
+    if msg.transport not in offered:
+        raise IncompatibleError(f"consumer chose transport {msg.transport!r}, we offered {offered}")
     remote = _remote_layout(msg.layout, layout)
     return msg, remote, pair(layout, remote)
+
+
+# ---- consumer side -----------------------------------------------------------------------------------------
+def check_hello(msg) -> wire.Hello:
+    """Consumer: the first frame is a ``Hello`` of our protocol version."""
+    if not isinstance(msg, wire.Hello):
+        raise ProtocolError(f"expected hello, got {type(msg).__name__}")
+    _version(msg.version)
+    _check_nonce(msg.nonce)
+    return msg
+
+
+def challenge(hello_: wire.Hello, peer_id: str, token: str) -> tuple[wire.Challenge, bytes]:
+    """Consumer: our challenge and our proof over the producer's nonce; returns it and our nonce."""
+    n = nonce()
+    proof = _mac(_token(token), b"kvxfer-consumer", hello_.nonce, n, peer_id.encode())
+    return wire.Challenge(version=wire.VERSION, peer_id=peer_id, nonce=n, proof=proof), n
+
+
+def check_proof(msg, token: str, nonce_p: bytes, nonce_c: bytes, layout: KVLayout,
+                have: list[str]) -> tuple[KVLayout, Pairing, str, bytes, bytes]:
+    """Consumer: the producer proved the token; returns its layout, the pairing (side ``a`` the producer's), the
+    first offered transport we have, its metadata, and the session key."""
+    if not isinstance(msg, wire.Proof):
+        raise ProtocolError(f"expected proof, got {type(msg).__name__}")
+    expected = _mac(_token(token), b"kvxfer-producer", nonce_p, nonce_c, _enc.encode(msg.layout),
+                    _enc.encode(msg.transports))
+    if not hmac.compare_digest(expected, msg.proof):
+        raise AuthError("bad auth token")
+    chosen = next(((name, meta) for name, meta in msg.transports if name in have), None)
+    if chosen is None:
+        raise IncompatibleError(f"producer offers transports {[n for n, _ in msg.transports]}, consumer has {have}")
+    remote = _remote_layout(msg.layout, layout)
+    return remote, pair(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
+
+
+def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes) -> wire.Welcome:
+    msg = wire.Welcome(session=session, layout=layout.desc(), transport=transport, transport_meta=meta)
+    msg.mac = _welcome_mac(key, msg)
+    return msg
+
+
+def _welcome_mac(key: bytes, msg: wire.Welcome) -> bytes:
+    return _mac(key, b"kvxfer-welcome", str(msg.session).encode(), _enc.encode(msg.layout), msg.transport.encode(),
+                msg.transport_meta)
+
+
+# ---- data connections --------------------------------------------------------------------------------------
+def data_hello(session: int, purpose: str, key: bytes) -> wire.DataHello:
+    """The first frame of a data connection of ``session``: a fresh nonce and the session key's proof over it."""
+    n = nonce()
+    return wire.DataHello(session=session, purpose=purpose, nonce=n,
+                          mac=_mac(key, b"kvxfer-data", str(session).encode(), purpose.encode(), n))
+
+
+def check_data_hello(msg: wire.DataHello, key: bytes, seen: set[bytes]) -> None:
+    """Consumer: the data connection belongs to the session whose ``key`` this is, and its nonce is new
+    (``seen`` holds that session's used nonces)."""
+    _check_nonce(msg.nonce)
+    expected = _mac(key, b"kvxfer-data", str(msg.session).encode(), msg.purpose.encode(), msg.nonce)
+    if not hmac.compare_digest(expected, msg.mac):
+        raise AuthError(f"data connection not proven for session {msg.session}")
+    if msg.nonce in seen:
+        raise AuthError(f"replayed data connection for session {msg.session}")
+    seen.add(msg.nonce)

@@ -83,6 +83,7 @@ class Slot:
     parts: dict[int, Part] = field(default_factory=dict)   # multi-sender only, by part index
     live_peers: set[int] = field(default_factory=set)      # sessions that may still write these blocks
     admitted: float = 0.0
+    one_sided: bool = False   # a writer's transport is one-sided: a failure quarantines the blocks
 
     @property
     def ready(self) -> bool:
@@ -144,13 +145,15 @@ class Grants:
     # ---- admission ---------------------------------------------------------------------------------------
     @_locked
     def admit(self, peer: int, req: str, n: int, deadline: float, now: float, *, senders: int = 1,
-              part: int = 0, layers=None, meta: dict | None = None) -> tuple[Slot, list[Slot]]:
+              part: int = 0, layers=None, meta: dict | None = None,
+              one_sided: bool = False) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
         With ``senders > 1`` the request is split between that many producer sessions, part ``part`` carrying
         ``layers``: the first part to arrive is admitted (blocks, deadline, in-flight bound); later parts
         join the same grant and get their own generation, without a second allocation. ``meta`` merges
-        into the slot's (part 0's keys win).
+        into the slot's (part 0's keys win). ``one_sided``: the writer's transport cannot be stopped from here,
+        so a failed slot is quarantined (see ``fail``).
         """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
@@ -167,6 +170,7 @@ class Grants:
         if old is not None and senders > 1 and old.senders == senders and part not in old.parts:
             self._join(old, peer, n, part, layers)
             self._merge_meta(old, part, meta)
+            old.one_sided = old.one_sided or one_sided
             return old, []
         if old is not None:
             superseded.append(self.fail(req, StaleError(f"request {req!r} superseded by a newer admission"), now))
@@ -176,7 +180,7 @@ class Grants:
         if ids is None:
             raise BusyError(f"no room for {n} blocks", self.retry_after)
         slot = Slot(req, next(_generations), peer, np.asarray(ids, dtype=np.int64), n * self.block_bytes, deadline,
-                    senders=senders, live_peers={peer}, admitted=now)
+                    senders=senders, live_peers={peer}, admitted=now, one_sided=one_sided)
         self.active[req] = slot
         if senders > 1:
             slot.gen = self._join(slot, peer, n, part, layers).gen
@@ -185,9 +189,9 @@ class Grants:
 
     @_locked
     def admit_pull(self, peer: int, req: str, n: int, deadline: float, now: float, lease_gen: int,
-                   meta: dict | None = None, digests: bytes = b"") -> Slot:
+                   meta: dict | None = None, digests: bytes = b"", one_sided: bool = False) -> Slot:
         """Admit an offer this consumer will read: blocks to read into, named to the producer by its lease."""
-        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta)
+        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided)
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot
 
@@ -325,12 +329,14 @@ class Grants:
 
     # ---- endings -----------------------------------------------------------------------------------------
     @_locked
-    def fail(self, req: str, error: KVXferError, now: float, *, one_sided: bool = False) -> Slot | None:
-        """End an active request with ``error``; its blocks are freed once nothing can write them."""
+    def fail(self, req: str, error: KVXferError, now: float, *, one_sided: bool | None = None) -> Slot | None:
+        """End an active request with ``error``; its blocks are freed once nothing can write them: at once
+        when no receive is in progress, ``quarantine`` seconds later when a one-sided writer (the slot's, or
+        ``one_sided`` when given) may still be writing, or as soon as every writer's session is gone."""
         slot = self.active.pop(req, None)
         if slot is None:
             return None
-        self._fail(slot, error, now, one_sided)
+        self._fail(slot, error, now, slot.one_sided if one_sided is None else one_sided)
         return slot
 
     def _fail(self, slot: Slot, error: KVXferError, now: float, one_sided: bool) -> None:
@@ -342,8 +348,7 @@ class Grants:
         self.reap(now)
 
     @_locked
-    def cancel(self, peer: int, req: str, gen: int, error: KVXferError, now: float, *,
-               one_sided: bool = False) -> Slot | None:
+    def cancel(self, peer: int, req: str, gen: int, error: KVXferError, now: float) -> Slot | None:
         """A producer session cancels ``req``; the slot it failed, or ``None`` if the Cancel names nothing
         of that session's. It matches a pull the session offered (any lease), generation 0 (a push whose
         grant the producer has not seen yet) or one of the session's generations of the request."""
@@ -353,7 +358,7 @@ class Grants:
         mine = [g for sid, g in slot.members() if sid == peer]
         if not mine or not (slot.kind == "pull" or gen == 0 or gen in mine):
             return None
-        return self.fail(req, error, now, one_sided=one_sided)
+        return self.fail(req, error, now)
 
     @_locked
     def revoke(self, slot: Slot, error: KVXferError, now: float) -> bool:

@@ -11,8 +11,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from . import transports
-from .errors import ClosedError
+from .errors import ClosedError, KVXferError, TransportError
 from .layout import KVLayout
+from .transports.base import Transport
 
 log = logging.getLogger("kvxfer")
 
@@ -29,6 +30,22 @@ def ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
 
+def _open_transports(names: list[str], layout: KVLayout, host, options: dict) -> dict[str, Transport]:
+    """Every named transport that can serve this memory; the first failure is raised only when none can."""
+    opened: dict[str, Transport] = {}
+    first: KVXferError | None = None
+    for name in names:
+        try:
+            opened[name] = transports.get(name)(layout, host, **options)
+        except KVXferError as e:
+            first = first or e
+            if len(names) == 1:
+                raise
+    if not opened:
+        raise first or TransportError("no transport available")
+    return opened
+
+
 class HandleBase:
     """A transport bound to this handle (its host), a reaper that enforces deadlines every 20 ms, and a
     worker pool; subclasses say what reaping and closing mean for their side."""
@@ -38,8 +55,9 @@ class HandleBase:
         self.layout = layout
         self.auth = auth
         self.peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        cls = transports.get(transports.resolve(transport))
-        self.transport = cls(layout, self, auth=auth, **dict(transport_options or {}))
+        self.transports = _open_transports(transports.candidates(transport), layout, self,
+                                           dict(transport_options or {}))
+        self.transport = next(iter(self.transports.values()))  # the preferred one
         self.transport_name = self.transport.name
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvxfer-worker")
         self.closed = False
@@ -64,7 +82,8 @@ class HandleBase:
     def _close_common(self) -> None:
         self.closed = True
         self._stop.set()
-        self.transport.close()
+        for t in self.transports.values():
+            t.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self):

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from . import handshake, wire
-from .channel import Channel, connect, parse_address
+from .channel import Channel, connect, parse_address, remaining
 from .digest import block_digests
 from .errors import (BlockError, BusyError, CancelledError, ClosedError, DeadlineError, KVXferError,
                      LeaseExpiredError, PeerError, ProtocolError, from_code)
@@ -21,14 +21,16 @@ from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, ms
 from .plan import check_ids
 from .transfer import Status, Transfer, _attempts
-from .transports.base import Peer
+from .transports.base import Peer, Transport
 
 log = logging.getLogger("kvxfer")
 
 
 class _ProducerSession:
-    def __init__(self, owner: "Producer", address: str, ch: Channel, peer: Peer, link, remote_id: str):
+    def __init__(self, owner: "Producer", address: str, ch: Channel, peer: Peer, transport: Transport, link,
+                 remote_id: str):
         self.owner = owner
+        self.transport = transport  # the one both sides agreed on in the handshake
         self.address = address
         self.ch = ch
         self.peer = peer
@@ -99,15 +101,17 @@ class Producer(HandleBase):
         parse_address(address)
         ch = Channel(connect(address, timeout), self.max_frame)
         try:
-            opening = handshake.hello(self.peer_id, self.layout, self.transport_name, self.transport.local_meta(),
-                                      self.auth)
-            reply, remote, pairing = handshake.check_welcome(ch.request(opening, timeout), address, self.layout,
-                                                             self.transport_name)
-            peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True,
-                        auth=self.auth)
+            end = time.monotonic() + timeout
+            opening, nonce = handshake.hello(self.peer_id)
+            offers = [(name, t.local_meta()) for name, t in self.transports.items()]
+            challenge = ch.request(opening, timeout)
+            proof, key = handshake.answer(challenge, address, self.auth, nonce, self.layout, offers)
+            reply, remote, pairing = handshake.check_welcome(ch.request(proof, remaining(end)), address, key,
+                                                             self.layout, list(self.transports))
+            peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True, key=key)
             ch.sock.settimeout(None)
-            link = self.transport.connect(peer)
-            return _ProducerSession(self, address, ch, peer, link, reply.peer_id)
+            transport = self.transports[reply.transport]
+            return _ProducerSession(self, address, ch, peer, transport, transport.connect(peer), challenge.peer_id)
         except BaseException:
             ch.close()
             raise
@@ -124,7 +128,7 @@ class Producer(HandleBase):
         for t in pending:
             self._end(t, error)
         s.ch.close()
-        self.transport.disconnect(s.peer.session)
+        s.transport.disconnect(s.peer.session)
 
     # ---- submitting -------------------------------------------------------------------------------------
     def _start(self, kind: str, address: str, req: str, block_ids, deadline: float | None) -> Transfer:
@@ -285,7 +289,7 @@ class Producer(HandleBase):
             return
         dst = t.dst_ids if t.override is None else t.override
         try:
-            if self.transport.one_sided and not np.array_equal(dst, t.dst_ids):
+            if s.transport.one_sided and not np.array_equal(dst, t.dst_ids):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
             if t.layers is None:

@@ -7,6 +7,10 @@ request costs one memcpy, not a million msgpack integers.
 
 Control flow (one TCP control connection per producer -> consumer pair; data moves on the transport):
 
+hello  producer -> Hello(nonce_p)   consumer -> Challenge(nonce_c, proof_c)   producer -> Proof(proof_p, layout,
+       transports)   consumer -> Welcome(session, layout, transport, meta, mac): mutual HMAC-SHA256 proofs of
+       the shared token before any memory is described (see ``handshake``)
+
 push   producer -> Admit(req, n[, senders, part, layers])  consumer -> Grant(req, gen, ids) | Busy(req, retry_after)
        producer moves the bytes into exactly ``ids``, then -> Done(req, gen, meta)
        consumer -> Ack(req, gen)  once the bytes have landed (or Error)
@@ -25,7 +29,7 @@ import numpy as np
 
 from .errors import BlockError, ProtocolError
 
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 64 << 20
 _LEN = struct.Struct(">I")
 
@@ -63,25 +67,41 @@ class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
 
 
 class Hello(_Msg, tag="hello"):
-    """First frame on a control connection, producer -> consumer."""
+    """First frame on a control connection, producer -> consumer: who it is and its challenge. Nothing about
+    memory (layout, transport metadata) crosses before both sides proved they hold the token."""
 
     version: int
     peer_id: str
+    nonce: bytes
+
+
+class Challenge(_Msg, tag="challenge"):
+    """Consumer -> producer: the consumer's challenge, and its proof over both nonces that it holds the token."""
+
+    version: int
+    peer_id: str
+    nonce: bytes
+    proof: bytes
+
+
+class Proof(_Msg, tag="proof"):
+    """Producer -> consumer: its proof, bound to what follows (its layout, and per transport it can use, in
+    preference order, that transport's metadata); the consumer picks the first transport it has too."""
+
+    proof: bytes
     layout: LayoutDesc
-    transport: str
-    transport_meta: bytes = b""
-    auth: str = ""
+    transports: list[tuple[str, bytes]]
 
 
 class Welcome(_Msg, tag="welcome"):
-    """The consumer's answer to ``Hello``: its own layout and transport metadata."""
+    """The consumer's answer to ``Proof``: its session id, layout, the chosen transport and that transport's
+    metadata, authenticated with the session key."""
 
-    version: int
-    peer_id: str
     session: int
     layout: LayoutDesc
     transport: str
     transport_meta: bytes = b""
+    mac: bytes = b""
 
 
 class Admit(_Msg, tag="admit"):
@@ -167,11 +187,13 @@ class Error(_Msg, tag="error"):
 
 
 class DataHello(_Msg, tag="data_hello"):
-    """First frame of a transport data connection: which control session it belongs to."""
+    """First frame of a transport data connection: the control session it belongs to, proven with that
+    session's key over a fresh nonce (a replayed one is refused)."""
 
     session: int
     purpose: str = "push"  # "push": producer -> consumer writes; "pull": consumer reads served by the producer
-    auth: str = ""
+    nonce: bytes = b""
+    mac: bytes = b""
 
 
 class WriteData(_Msg, tag="write_data"):
@@ -206,7 +228,7 @@ class DataReply(_Msg, tag="data_reply"):
     message: str = ""
 
 
-Message = Union[Hello, Welcome, Admit, Grant, Busy, Offer, Done, Released, Ack, Cancel, Error,
+Message = Union[Hello, Challenge, Proof, Welcome, Admit, Grant, Busy, Offer, Done, Released, Ack, Cancel, Error,
                 DataHello, WriteData, ReadData, DataReply]
 
 _encoder = msgspec.msgpack.Encoder()

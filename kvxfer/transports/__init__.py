@@ -10,7 +10,7 @@ from .base import Host, Link, Peer, ReadHost, Transport, WriteHost
 
 _REGISTRY = {"tcp": "kvxfer.transports.tcp:TcpTransport", "nixl": "kvxfer.transports.nixl:NixlTransport"}
 
-__all__ = ["Host", "Link", "Peer", "ReadHost", "Transport", "WriteHost", "available", "get", "resolve"]
+__all__ = ["Host", "Link", "Peer", "ReadHost", "Transport", "WriteHost", "available", "candidates", "get", "resolve"]
 
 
 def get(name: str) -> type[Transport]:
@@ -37,6 +37,12 @@ def _usable(name: str) -> bool:
 def available() -> list[str]:
     """Transports that can run on this machine, best first."""
     return [n for n in ("nixl", "tcp") if _usable(n)]
+
+
+def candidates(name: str) -> list[str]:
+    """The transports a handle opened as ``name`` may speak, best first: every available one for ``"auto"``
+    (the two sides then agree on the first both have), else just ``name``."""
+    return available() if name == "auto" else [name]
 
 
 def resolve(name: str) -> str:

@@ -30,7 +30,7 @@ class Peer:
     pairing: Pairing            # side ``a`` is the producer's layout, side ``b`` the consumer's
     meta: bytes                 # the peer's ``local_meta``
     is_producer: bool           # whether *this* side is the producer
-    auth: str = ""
+    key: bytes = b""            # the session key both sides derived in the handshake (data connections prove it)
 
 
 class WriteHost(Protocol):

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import wire
 from ..channel import Channel, connect, recv_views, remaining, send_views
+from ..handshake import data_hello
 from ..errors import (CancelledError, KVXferError, PeerError, ProtocolError, TimeoutError, TransportError,
                       from_code)
 from ..memory import HOST, host_buffer
@@ -212,7 +213,7 @@ class TcpLink(Link):
 
     def _dial(self, purpose: str, timeout: float) -> Channel:
         ch = Channel(connect(self.peer.address, timeout))
-        ch.send(wire.DataHello(session=self.peer.session, purpose=purpose, auth=self.t.auth))
+        ch.send(data_hello(self.peer.session, purpose, self.peer.key))
         return self._track(ch)
 
     def open_pull(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvxfer import transports, wire
+from kvxfer import handshake, transports, wire
 from kvxfer.channel import Channel, parse_address
 
 
@@ -42,10 +42,18 @@ class RawPeer:
             return False
 
     def hello(self, layout, transport: str, *, version: int = wire.VERSION, auth: str = ""):
-        """A well-formed hello carrying real metadata of a real ``transport`` instance."""
+        """The documented handshake, by hand, offering real metadata of a real ``transport`` instance; returns
+        the consumer's last answer (``Welcome``, or the ``Error`` that ended it)."""
         self.transport = transports.get(transport)(layout, host=None)
-        self.send(wire.Hello(version=version, peer_id="raw", layout=layout.desc(), transport=transport,
-                             transport_meta=self.transport.local_meta(), auth=auth))
+        opening, nonce = handshake.hello("raw")
+        opening.version = version
+        self.send(opening)
+        challenge = self.recv()
+        if not isinstance(challenge, wire.Challenge):
+            return challenge
+        proof, self.key = handshake.answer(challenge, "consumer", auth, nonce, layout,
+                                           [(transport, self.transport.local_meta())])
+        self.send(proof)
         return self.recv()
 
     def close(self) -> None:
