@@ -8,7 +8,8 @@
 """
 
 from .allocator import Allocator, FreeList
-from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, DeadlineError, IncompatibleError,
+from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, ConfigError, DeadlineError,
+                     IncompatibleError,
                      IntegrityError, KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
                      TimeoutError, TransportError)
 from .consumer import Consumer
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Allocator", "Arrival", "AuthError", "BlockError", "BusyError", "CancelledError", "ClosedError", "Consumer",
-    "DeadlineError",
+    "ConfigError", "DeadlineError",
     "FreeList", "IncompatibleError", "IntegrityError", "KVLayout", "KVXferError", "LayoutError", "LeaseExpiredError", "PeerError",
     "Producer", "ProtocolError", "StaleError", "Status", "TimeoutError", "Transfer", "TransportError",
     "available_transports",

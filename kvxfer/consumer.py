@@ -5,13 +5,14 @@ is the ledger's (``ledger.Grants``); this module wires it to sockets, threads an
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import queue
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from . import handshake, wire
 from .allocator import Allocator, FreeList
 from .channel import Channel, parse_address, remaining
 from .digest import mismatches
-from .errors import (AuthError, BusyError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
+from .errors import (AuthError, BusyError, ConfigError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
                      ProtocolError, StaleError, from_code)
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
@@ -59,6 +60,12 @@ class Consumer(HandleBase):
 
     Blocks of an arrived request belong to the runtime until it calls ``release(req)``. ``deadline`` caps
     every admitted request; ``max_inflight`` bounds admitted-but-unfinished requests (then ``Busy``).
+
+    Limits against a careless or hostile peer: ``allowed_producers`` (IP addresses or networks, e.g.
+    ``["10.0.0.0/8"]``; others are closed before a byte is read), ``max_sessions_per_host``,
+    ``max_inflight_per_peer`` (admissions of one session), ``max_msgs_per_sec`` (control frames of one
+    session, averaged over a one-second burst), ``max_frame`` (control-frame size after the handshake,
+    ``wire.MAX_HANDSHAKE_FRAME`` before it) and ``handshake_timeout`` (the whole handshake).
     """
 
     def __init__(self, layout: KVLayout, *, transport: str = "auto", listen: str = "127.0.0.1:0",
@@ -66,15 +73,24 @@ class Consumer(HandleBase):
                  max_inflight: int = 1024, tombstone_ttl: float = 30.0, retry_after: float = 0.05,
                  quarantine: float = 2.0, on_arrival: Callable[[Arrival], None] | None = None,
                  peer_id: str | None = None, transport_options: dict | None = None, workers: int = 8,
-                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True):
+                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True,
+                 allowed_producers: Iterable[str] | None = None, max_sessions_per_host: int = 64,
+                 max_inflight_per_peer: int | None = None, max_msgs_per_sec: float = 20_000.0):
         host, port = parse_address(listen)
+        try:
+            self.allowed = None if allowed_producers is None else [ipaddress.ip_network(a, strict=False)
+                                                                   for a in allowed_producers]
+        except ValueError as e:
+            raise ConfigError(f"allowed_producers: {e}") from None
+        self.max_sessions_per_host = max_sessions_per_host
+        self.max_msgs_per_sec = max_msgs_per_sec
         super().__init__(layout, transport, auth, transport_options, peer_id, workers)
         self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.allocator = allocator or FreeList(layout.num_blocks)
         self.grants = Grants(self.allocator, layout.block_bytes, max_inflight=max_inflight,
                              tombstone_ttl=tombstone_ttl, retry_after=retry_after,
                              quarantine=quarantine,
-                             num_layers=layout.fingerprint.num_layers)
+                             num_layers=layout.fingerprint.num_layers, max_inflight_per_peer=max_inflight_per_peer)
         self.deadline = deadline
         self.max_frame = max_frame
         self.handshake_timeout = handshake_timeout
@@ -83,6 +99,7 @@ class Consumer(HandleBase):
         self.counters = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "bytes": 0}
         self._sessions: dict[int, _ConsumerSession] = {}
         self._sids = itertools.count(1)
+        self._per_host: dict[str, int] = {}
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-accept").start()
@@ -131,11 +148,42 @@ class Consumer(HandleBase):
     def _accept_loop(self) -> None:
         while not self.closed:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return
+            host = addr[0]
+            with self._lock:
+                crowded = self._per_host.get(host, 0) >= self.max_sessions_per_host
+                if not crowded and self._allowed(host):
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+                    admitted = True
+                else:
+                    admitted = False
+            if not admitted:
+                sock.close()
+                continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True, name="kvxfer-session").start()
+            threading.Thread(target=self._serve_from, args=(sock, host), daemon=True, name="kvxfer-session").start()
+
+    def _allowed(self, host: str) -> bool:
+        if self.allowed is None:
+            return True
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(ip in net for net in self.allowed)
+
+    def _serve_from(self, sock: socket.socket, host: str) -> None:
+        try:
+            self._serve(sock)
+        finally:
+            with self._lock:
+                left = self._per_host.get(host, 1) - 1
+                if left > 0:
+                    self._per_host[host] = left
+                else:
+                    self._per_host.pop(host, None)
 
     def _serve(self, sock: socket.socket) -> None:
         ch = Channel(sock, self.max_frame)
@@ -152,8 +200,16 @@ class Consumer(HandleBase):
         try:
             s = self._welcome(ch, first, end)
             sock.settimeout(None)
+            budget, refilled = self.max_msgs_per_sec, time.monotonic()
             while s.alive:
-                self._on_message(s, ch.recv())
+                msg = ch.recv()
+                now = time.monotonic()
+                budget = min(self.max_msgs_per_sec, budget + (now - refilled) * self.max_msgs_per_sec)
+                refilled = now
+                if budget < 1:
+                    raise ProtocolError(f"more than {self.max_msgs_per_sec:g} control messages a second")
+                budget -= 1
+                self._on_message(s, msg)
         except KVXferError as e:
             if not isinstance(e, PeerError):
                 _tell(ch, wire.Error(req="", code=e.code, message=str(e)))

@@ -20,6 +20,12 @@ class LayoutError(KVXferError):
     code = "layout"
 
 
+class ConfigError(KVXferError):
+    """A handle was given something it cannot use: a malformed address, an option out of range."""
+
+    code = "config"
+
+
 class IncompatibleError(KVXferError):
     """The two sides disagree on protocol version, dtype or block geometry."""
 
@@ -108,7 +114,7 @@ class ClosedError(KVXferError):
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        KVXferError, LayoutError, IncompatibleError, ProtocolError, AuthError, BlockError, BusyError,
+        KVXferError, ConfigError, LayoutError, IncompatibleError, ProtocolError, AuthError, BlockError, BusyError,
         StaleError, CancelledError, DeadlineError, LeaseExpiredError, PeerError, TransportError, ClosedError,
         IntegrityError,
     )

@@ -128,11 +128,12 @@ class Grants:
 
     def __init__(self, allocator: Allocator, block_bytes: int, *, max_inflight: int = 1024,
                  tombstone_ttl: float = 30.0, quarantine: float = 0.0, retry_after: float = 0.05,
-                 num_layers: int = 1):
+                 num_layers: int = 1, max_inflight_per_peer: int | None = None):
         self.allocator = allocator
         self.block_bytes = block_bytes
         self.num_layers = num_layers
         self.max_inflight = max_inflight
+        self.max_inflight_per_peer = max_inflight_per_peer or max_inflight  # one session cannot take every grant
         self.tombstone_ttl = tombstone_ttl
         self.quarantine = quarantine
         self.retry_after = retry_after
@@ -176,6 +177,10 @@ class Grants:
             superseded.append(self.fail(req, StaleError(f"request {req!r} superseded by a newer admission"), now))
         if len(self.active) >= self.max_inflight:
             raise BusyError(f"{len(self.active)} requests in flight", self.retry_after)
+        if self.max_inflight_per_peer < self.max_inflight:
+            mine = sum(1 for s in self.active.values() if peer in s.live_peers)
+            if mine >= self.max_inflight_per_peer:
+                raise BusyError(f"{mine} requests of this producer in flight", self.retry_after)
         ids = self.allocator.allocate(n)
         if ids is None:
             raise BusyError(f"no room for {n} blocks", self.retry_after)

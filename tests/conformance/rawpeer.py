@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from kvxfer import handshake, transports, wire
+from kvxfer import AuthError, handshake, transports, wire
 from kvxfer.channel import Channel, parse_address
 
 
@@ -51,8 +51,11 @@ class RawPeer:
         challenge = self.recv()
         if not isinstance(challenge, wire.Challenge):
             return challenge
-        proof, self.key = handshake.answer(challenge, "consumer", auth, nonce, layout,
-                                           [(transport, self.transport.local_meta())])
+        offers = [(transport, self.transport.local_meta())]
+        try:
+            proof, self.key = handshake.answer(challenge, "consumer", auth, nonce, layout, offers)
+        except AuthError:  # we do not hold the consumer's token: answer with a made-up proof, as an attacker would
+            proof = wire.Proof(proof=bytes(32), layout=layout.desc(), transports=offers)
         self.send(proof)
         return self.recv()
 
