@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from kvxfer.channel import _advance, recv_views, send_views
+from kvxfer.sockets import _advance, recv_views, send_views
 
 PIECE = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 9

@@ -1,7 +1,7 @@
 """Framed messages over a stream socket: the edge where ``wire`` meets the network.
 
-Also home of the socket helpers the TCP data path shares: address parsing, connecting with a deadline,
-and scatter/gather I/O straight from and into registered memory.
+The socket helpers the TCP data path shares (address parsing, connecting with a deadline, scatter/gather
+I/O straight from and into registered memory) live in ``sockets``; they are re-exported here.
 """
 
 from __future__ import annotations
@@ -11,71 +11,8 @@ import threading
 import time
 
 from . import wire
+from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, send_views  # noqa: F401
 from .errors import PeerError, ProtocolError, TimeoutError
-
-IOV_MAX = 1024
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (IPv6 as ``"[::1]:port"``) -> (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address {address!r} is not host:port")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def connect(address: str, timeout: float) -> socket.socket:
-    try:
-        sock = socket.create_connection(parse_address(address), timeout=timeout)
-    except socket.timeout:
-        raise TimeoutError(f"connecting to {address} timed out after {timeout:.1f}s") from None
-    except OSError as e:
-        raise PeerError(f"cannot connect to {address}: {e}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise PeerError("connection closed by peer")
-        got += k
-    return bytes(buf)
-
-
-def _advance(views: list[memoryview], i: int, batch: list[memoryview], k: int) -> int:
-    """Skip ``k`` transferred bytes of ``batch`` (starting at ``views[i]``); returns the new index."""
-    for v in batch:
-        if k >= len(v):
-            k -= len(v)
-            i += 1
-        else:
-            views[i] = v[k:]
-            break
-    return i
-
-
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Gather-send every byte of ``views`` (registered memory), handling partial sends."""
-    i, n = 0, len(views)
-    while i < n:
-        batch = views[i:i + IOV_MAX]
-        i = _advance(views, i, batch, sock.sendmsg(batch))
-
-
-def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (registered memory)."""
-    i, n = 0, len(views)
-    while i < n:
-        batch = views[i:i + IOV_MAX]
-        got = sock.recvmsg_into(batch)[0]
-        if got == 0:
-            raise PeerError("connection closed by peer mid-transfer")
-        i = _advance(views, i, batch, got)
-
 
 class Channel:
     """One framed, thread-safe-to-send connection. ``recv`` blocks up to the socket's timeout."""

@@ -99,10 +99,9 @@ class Transport(ABC):
     name: ClassVar[str]
     one_sided: ClassVar[bool] = False  # True when a receiver cannot stop a remote write in flight
 
-    def __init__(self, layout: KVLayout, host: Host, *, auth: str = "", **options):
+    def __init__(self, layout: KVLayout, host: Host, **options):
         self.layout = layout
         self.host = host
-        self.auth = auth
 
     def local_meta(self) -> bytes:
         return b""

@@ -1,0 +1,118 @@
+"""The socket edge: the one place an OS error becomes a kvxfer error; address parsing, connecting with a
+deadline, scatter/gather I/O straight from and into registered memory, and teardown that cannot fail.
+
+Everything above this module (channels, the TCP transport, the handles) sees only ``KVXferError``s: a timeout
+is a ``DeadlineError``, a reset, refused or closed connection a ``PeerError``, any other OS failure a
+``TransportError``.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import ConfigError, DeadlineError, KVXferError, PeerError, TransportError
+
+IOV_MAX = 1024
+
+
+def translate(e: OSError, what: str) -> KVXferError:
+    """The kvxfer error an OS error means, for a failure while ``what``."""
+    if isinstance(e, socket.timeout):
+        return DeadlineError(f"{what}: timed out")
+    if isinstance(e, (ConnectionError, EOFError)):
+        return PeerError(f"{what}: {e.strerror or e}")
+    return TransportError(f"{what}: {e.strerror or e}")
+
+
+@contextmanager
+def mapped(what: str) -> Iterator[None]:
+    """Run a block of socket calls; OS errors leave it as kvxfer errors."""
+    try:
+        yield
+    except OSError as e:
+        raise translate(e, what) from None
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Stop both directions now (a blocked ``sendmsg`` / ``recvmsg_into`` returns); a dead socket is fine."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def close(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 as ``"[::1]:port"``) -> (host, port); anything else is a ``ConfigError``."""
+    if not isinstance(address, str):
+        raise ConfigError(f"address {address!r} is not a 'host:port' string")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or any(c.isspace() for c in address):
+        raise ConfigError(f"address {address!r} is not host:port")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def connect(address: str, timeout: float) -> socket.socket:
+    """A connected TCP socket (no Nagle) to ``address`` within ``timeout`` seconds."""
+    where = parse_address(address)
+    try:
+        sock = socket.create_connection(where, timeout=timeout)
+    except socket.timeout:
+        raise DeadlineError(f"connecting to {address} timed out after {timeout:.1f}s") from None
+    except OSError as e:
+        raise PeerError(f"cannot connect to {address}: {e.strerror or e}") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    with mapped("receiving"):
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise PeerError("connection closed by peer")
+            got += k
+    return bytes(buf)
+
+
+def _advance(views: list[memoryview], i: int, batch: list[memoryview], k: int) -> int:
+    """Skip ``k`` transferred bytes of ``batch`` (starting at ``views[i]``); returns the new index."""
+    for v in batch:
+        if k >= len(v):
+            k -= len(v)
+            i += 1
+        else:
+            views[i] = v[k:]
+            break
+    return i
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Gather-send every byte of ``views`` (registered memory), handling partial sends."""
+    i, n = 0, len(views)
+    with mapped("sending data"):
+        while i < n:
+            batch = views[i:i + IOV_MAX]
+            i = _advance(views, i, batch, sock.sendmsg(batch))
+
+
+def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (registered memory)."""
+    i, n = 0, len(views)
+    with mapped("receiving data"):
+        while i < n:
+            batch = views[i:i + IOV_MAX]
+            got = sock.recvmsg_into(batch)[0]
+            if got == 0:
+                raise PeerError("connection closed by peer mid-transfer")
+            i = _advance(views, i, batch, got)

@@ -1,0 +1,247 @@
+"""The four loops of a TCP link: push (producer writes, consumer receives) and pull (consumer reads, producer
+serves), each a window of the transfer's byte stream on one data connection, straight from and into
+registered memory."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from ... import wire
+from ...channel import Channel, remaining
+from ...errors import CancelledError, KVXferError, PeerError, ProtocolError, from_code
+from ...handshake import data_hello
+from ...plan import Extents, extents
+from ...sockets import connect, mapped, recv_views, send_views
+from ..base import Link, Peer
+from . import windows
+from .pool import POLL, Connections
+
+if TYPE_CHECKING:
+    from . import TcpTransport
+
+
+def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
+    """Read and drop ``n`` bytes of a refused write so the connection stays in step (bounded by ``limit``)."""
+    if n > limit:
+        raise ProtocolError(f"refusing to drain {n} bytes")
+    scratch = bytearray(min(n, 1 << 20))
+    with mapped("draining a refused write"):
+        sock.settimeout(5.0)
+        while n > 0:
+            k = sock.recv_into(scratch, min(n, len(scratch)))
+            if k == 0:
+                raise PeerError("connection closed by peer")
+            n -= k
+
+
+def _wait_readable(sock: socket.socket, check: Callable[[], None]) -> None:
+    poller = select.poll()  # not select.select: it fails for descriptors >= FD_SETSIZE (1024) in busy processes
+    with mapped("waiting for a reply"):
+        if sock.fileno() < 0:
+            raise PeerError("connection closed")
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        while not poller.poll(POLL * 1000):
+            check()
+
+
+class TcpLink(Link):
+    def __init__(self, transport: "TcpTransport", peer: Peer):
+        self.t = transport
+        self.peer = peer
+        self.conns = Connections(self._dial, transport.streams)
+        side = peer.pairing.a if peer.is_producer else peer.pairing.b
+        self._side, self._nbytes = side, peer.pairing.nbytes
+
+    @property
+    def closed(self) -> bool:
+        return self.conns.closed
+
+    def spawn(self, fn, *args) -> None:
+        threading.Thread(target=fn, args=args, daemon=True, name=f"kvxfer-tcp-{fn.__name__}").start()
+
+    def _dial(self, purpose: str) -> Channel:
+        ch = Channel(connect(self.peer.address, 5.0))
+        ch.send(data_hello(self.peer.session, purpose, self.peer.key))
+        return ch
+
+    def open_pull(self) -> None:
+        """Producer: give the consumer one more connection to read offered blocks through."""
+        try:
+            ch = self.conns.track(self._dial("pull"))
+        except KVXferError:
+            return
+        self.spawn(self.serve_reads, ch)
+
+    def _extents(self, ids: np.ndarray, layers=None) -> Extents:
+        if layers is not None:
+            p = self.pairing(layers)
+            return extents(p.a if self.peer.is_producer else p.b, p.nbytes, ids, self.t.layout.num_blocks)
+        return extents(self._side, self._nbytes, ids, self.t.layout.num_blocks)
+
+    def _checker(self, deadline: float, cancel: threading.Event) -> Callable[[], None]:
+        def check():
+            if cancel.is_set():
+                raise CancelledError("transfer cancelled")
+            if self.closed:
+                raise PeerError("link closed")
+            remaining(deadline)
+        return check
+
+    def _stopped_if_closed(self) -> None:
+        if self.closed:
+            raise PeerError("link closed")
+
+    def _streams(self, ext: Extents) -> list[tuple[int, int]]:
+        return windows.split(ext.total, min(self.t.streams, max(1, ext.total // self.t.window_min)))
+
+    def descriptors(self, src_ids, dst_ids) -> int:
+        return len(self._extents(src_ids if self.peer.is_producer else dst_ids))
+
+    # ---- push: producer side -------------------------------------------------------------------------------
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
+        ext = self._extents(src_ids, layers)
+        ids = wire.ids_to_bytes(dst_ids)
+        check = self._checker(deadline, cancel)
+
+        def one(offset: int, length: int) -> None:
+            ch = self.conns.push(check)
+            try:
+                ch.send(wire.WriteData(req=req, gen=gen, ids=ids, offset=offset, length=length))
+                views = self.t.views(ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, lambda: send_views(ch.sock, views))
+                _wait_readable(ch.sock, check)
+                reply = ch.recv(remaining(deadline))
+            except BaseException:
+                self.conns.lost_push(ch)
+                raise
+            if not isinstance(reply, wire.DataReply) or not reply.ok:
+                self.conns.lost_push(ch)
+                if isinstance(reply, wire.DataReply):
+                    raise from_code(reply.code, reply.message)
+                raise ProtocolError(f"unexpected {type(reply).__name__} on a data connection")
+            self.conns.pushes.put(ch)
+
+        return windows.run_all(one, self._streams(ext))
+
+    # ---- push: consumer side -------------------------------------------------------------------------------
+    def serve_writes(self, ch: Channel) -> None:
+        """Receive ``WriteData`` windows into granted blocks until the connection ends."""
+        host, sock = self.t.host, ch.sock
+        try:
+            self.conns.track(ch)
+            while not self.closed:
+                with mapped("waiting for a write"):
+                    sock.settimeout(None)
+                msg = ch.recv()
+                if not isinstance(msg, wire.WriteData):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} on a push connection")
+                try:
+                    ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
+                    ticket = host.begin_write(self.peer.session, msg.req, msg.gen, ids)
+                except KVXferError as e:
+                    _drain(sock, msg.length)  # the refused bytes never touch registered memory
+                    ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
+                    continue
+                try:
+                    # the grant decides the bytes
+                    window = windows.checked(self._extents(ids, getattr(ticket, "layers", None)), msg.offset,
+                                             msg.length)
+
+                    def check():
+                        if ticket.error is not None:
+                            raise ticket.error
+                        self._stopped_if_closed()
+
+                    views = self.t.views(window)
+                    self.t.watchdog.guarded(sock, check, lambda: recv_views(sock, views))
+                except KVXferError as e:
+                    host.end_write(ticket, 0, e)
+                    if not isinstance(e, PeerError):
+                        try:
+                            ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
+                        except KVXferError:
+                            pass
+                    return
+                host.end_write(ticket, msg.length, None)
+                ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
+        except KVXferError:
+            pass
+        finally:
+            self.conns.drop(ch)
+
+    # ---- pull: consumer side -------------------------------------------------------------------------------
+    def read(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
+        ext = self._extents(dst_ids)
+        ids = wire.ids_to_bytes(src_ids)
+        check = self._checker(deadline, cancel)
+
+        def one(offset: int, length: int) -> None:
+            ch: Channel | None = self.conns.pull(check)
+            try:
+                ch.send(wire.ReadData(req=req, gen=gen, ids=ids, offset=offset, length=length))
+                _wait_readable(ch.sock, check)
+                reply = ch.recv(remaining(deadline))
+                if not isinstance(reply, wire.DataReply):
+                    raise ProtocolError(f"unexpected {type(reply).__name__} on a pull connection")
+                if not reply.ok:
+                    self.conns.pulls.put(ch)
+                    ch = None
+                    raise from_code(reply.code, reply.message)
+                if reply.length != length:
+                    raise ProtocolError(f"asked for {length} bytes, peer sends {reply.length}")
+                views = self.t.views(ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, lambda: recv_views(ch.sock, views))
+            except BaseException:
+                if ch is not None:
+                    self.conns.drop(ch)
+                raise
+            self.conns.pulls.put(ch)
+
+        return windows.run_all(one, self._streams(ext))
+
+    # ---- pull: producer side -------------------------------------------------------------------------------
+    def serve_reads(self, ch: Channel) -> None:
+        """Answer ``ReadData`` requests from offered blocks; reopen a connection that broke."""
+        host, sock = self.t.host, ch.sock
+        try:
+            while not self.closed:
+                with mapped("waiting for a read"):
+                    sock.settimeout(None)
+                msg = ch.recv()
+                if not isinstance(msg, wire.ReadData):
+                    raise ProtocolError(f"unexpected {type(msg).__name__} on a pull connection")
+                try:
+                    ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
+                    ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
+                    try:
+                        window = windows.checked(self._extents(ids), msg.offset, msg.length)
+                    except KVXferError as e:
+                        host.end_read(ticket, 0, e)
+                        raise
+                except KVXferError as e:
+                    ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
+                    continue
+                try:
+                    ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
+                    views = self.t.views(window)
+                    self.t.watchdog.guarded(sock, self._stopped_if_closed, lambda: send_views(sock, views))
+                except KVXferError as e:
+                    host.end_read(ticket, 0, e)
+                    raise
+                host.end_read(ticket, msg.length, None)
+        except KVXferError:
+            pass
+        finally:
+            self.conns.drop(ch)
+            if not self.closed:
+                time.sleep(0.05)
+                self.open_pull()
+
+    def close(self) -> None:
+        self.conns.close()
