@@ -180,6 +180,17 @@ def _spawn_consumer(listen: str, corrupt: bool) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv=None) -> int:
+    """Run as the program (``argv`` None: the console script, ``python -m``), it ends the process itself
+    with the status once a run that loaded NIXL is over, before NIXL's native teardown can crash it."""
+    status = _main(argv)
+    if argv is None:
+        from ..transports.nixl import exit_before_native_teardown
+
+        exit_before_native_teardown(status)
+    return status
+
+
+def _main(argv) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
 

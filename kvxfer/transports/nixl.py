@@ -15,6 +15,7 @@ import atexit
 import importlib
 import importlib.util
 import os
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +42,32 @@ def _close_all() -> None:
     process ("terminate called without an active exception")."""
     for t in list(_LIVE):
         t.close()
+
+
+def native_loaded() -> bool:
+    """Whether NIXL's native library is in this process, loaded by kvxfer or by anyone else (vLLM)."""
+    return any(name.startswith("nixl") and name.endswith("._bindings") for name in sys.modules)
+
+
+def exit_before_native_teardown(status: int) -> None:
+    """End a process that loaded NIXL with ``status`` before native teardown runs; else return.
+
+    With its UCX backend loaded, NIXL 1.5.1 has been seen to crash (SIGSEGV, exit 139) after every agent is
+    gone and the interpreter is done, replacing a finished run's status. What runs then is native only: the
+    plugin manager's static destructor unloading the UCX plugin, then UCX's library destructors, with libc's
+    mmap/brk/madvise still patched to jump into UCX's memory hooks (docs/transports.md). A program's entry
+    point calls this once, last: Python's exit handlers run (every kvxfer agent closed, logs flushed), stdio
+    is flushed, and ``os._exit(status)`` skips that native teardown, which frees nothing the kernel does not.
+    """
+    if not native_loaded():
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
+    os._exit(status)
 
 
 def nixl_api():
