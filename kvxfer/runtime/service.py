@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import TimeoutError
+from ..errors import DeadlineError
 from ..consumer import Consumer
 from ..transfer import Arrival
 from ..layout import KVLayout
@@ -103,11 +103,11 @@ class ReceiveService:
 
     # ---- the runtime's calls ------------------------------------------------------------------------------
     def next(self, timeout: float | None = None) -> Handoff:
-        """The next ready request (queue mode); ``TimeoutError`` if none within ``timeout``."""
+        """The next ready request (queue mode); ``DeadlineError`` if none within ``timeout``."""
         try:
             return self._ready.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"no request ready within {timeout}s") from None
+            raise DeadlineError(f"no request ready within {timeout}s") from None
 
     def release(self, req: str) -> bool:
         """The runtime is done with ``req``: its blocks go back to the allocator. False if not held."""

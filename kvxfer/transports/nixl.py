@@ -24,7 +24,7 @@ import weakref
 import msgspec
 import numpy as np
 
-from ..errors import CancelledError, PeerError, TimeoutError, TransportError
+from ..errors import CancelledError, PeerError, DeadlineError, TransportError
 from ..memory import HOST
 from ..plan import Extents, make_plan
 from .base import Link, Peer, Transport
@@ -103,9 +103,8 @@ class NixlTransport(Transport):
         except ImportError:
             return False
 
-    def __init__(self, layout, host, *, auth: str = "", num_threads: int = 0, backends=("UCX",),
-                 poll_interval: float = 0.0005, **_):
-        super().__init__(layout, host, auth=auth)
+    def __init__(self, layout, host, *, num_threads: int = 0, backends=("UCX",), poll_interval: float = 0.0005, **_):
+        super().__init__(layout, host)
         api = nixl_api()
         self.mem_type = "DRAM" if layout.device == HOST else "VRAM"
         self.poll_interval = poll_interval
@@ -256,14 +255,14 @@ class NixlLink(Link):
                 if self.closed or self.t.closed:
                     raise PeerError("link closed")
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"NIXL {op} still in progress at the deadline")
+                    raise DeadlineError(f"NIXL {op} still in progress at the deadline")
                 time.sleep(pause)
                 pause = min(pause * 2, 0.001)
                 with lock:
                     state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise TransportError(f"NIXL {op} ended in state {state}")
-        except (CancelledError, PeerError, TimeoutError, TransportError):
+        except (CancelledError, PeerError, DeadlineError, TransportError):
             raise
         except Exception as e:  # noqa: BLE001 - NIXL's own exception types
             raise _error(e, f"NIXL {op}") from None
