@@ -185,3 +185,20 @@ def test_a_write_of_negative_length_is_refused_at_decode():
     body = msgspec.msgpack.encode({"t": "write_data", "req": "r", "gen": 1, "ids": b"", "offset": 0, "length": -1})
     with pytest.raises(ProtocolError, match="length"):
         wire.decode(body)
+
+
+def test_fuzz_short_run():
+    """The CI-sized run of scripts/fuzz_wire.py (the full run tries >= 1M inputs): no untyped exception."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz_wire.py"), "--n", "20000", "--seed", "7"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "inputs tried: 20000 " in proc.stdout and "untyped exceptions: 0" in proc.stdout
+    for gen in ("random_bytes", "mutate", "numbers", "structure", "deep", "frame_length"):
+        assert f"{gen} " in proc.stdout, proc.stdout
