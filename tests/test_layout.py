@@ -101,6 +101,9 @@ def test_fingerprint_spells_the_meaning_of_every_dim():
     assert _fp([_vllm_view(4, 2, 16, 8, (0, 1, 2, 3))] * 3).order == "L3 H2 N16 D8"
     assert _fp([(np.zeros((4, 16, 2, 8)), np.zeros((4, 16, 2, 8)))] * 2, block_size=16).order == "L2 K2 N16 H2 D8"
     assert _fp(np.zeros((2, 4, 3, 16, 5, 8)), dims="KBLNHD").order == "K2 L3 N16 H5 D8"
+    mixed = [np.zeros((4, 16, 8, 16))] * 2 + [np.zeros((4, 16, 4, 32))] * 2  # layers that differ are spelled out
+    assert _fp(mixed, block_size=16).order == "L[2x(N16 H8 D16) | 2x(N16 H4 D32)]"
+    assert _fp(mixed[::-1], block_size=16).order == "L[2x(N16 H4 D32) | 2x(N16 H8 D16)]"
 
 
 def test_nhd_views_into_hnd_views_when_block_size_equals_kv_heads():
