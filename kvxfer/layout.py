@@ -116,7 +116,7 @@ def _infer_dims(shape: tuple, block_dim: int, block_size: int, layers: int, pair
         if all(size.get(r, shape[d]) == shape[d] for r, d in zip(perm, free)):
             roles = {**fixed, **dict(zip(free, perm))}
             spare = iter(r for r in "HKLN" if r not in roles.values())
-            found.add("".join(roles[d] if d in roles else next(spare) for d in range(nd)))
+            found.add("".join(roles[d] if d in roles else next(spare, "?") for d in range(nd)))
     if len(found) != 1:
         why = "could be " + " or ".join(f"dims={f!r}" for f in sorted(found)) if found else \
             f"no dim has the size of {' / '.join(f'{r} ({size[r]})' for r in need if r in size)}"
@@ -273,8 +273,6 @@ class KVLayout:
         for lay in per_layer:
             parts = []
             for v in lay:
-                if len(v.shape) != len(v0.shape):
-                    raise LayoutError(f"tensors of {len(v0.shape)} and {len(v.shape)} dims")
                 bd = block_dim % len(v.shape)
                 if dims is None:
                     roles = _infer_dims(v.shape, bd, block_size, held, len(lay) == 2)
