@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import heapq
+import itertools
 import random
 import sys
 import time
@@ -24,6 +26,7 @@ from kvxfer import wire
 from kvxfer.errors import KVXferError
 
 BOUNDARY = [-(2**63), -(2**32), -2, -1, 0, 1, 2**31 - 1, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+SLOWEST = 50  # inputs kept for re-timing: one slow decode in a run may be the machine, not the input
 CONTAINERS = [b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xdd\x00\x00\x00\x01", b"\xde\x00\x01\xa1k",
               b"\xdf\x00\x00\x00\x01\xa1k", b"\x9f", b"\x8f"]
 
@@ -159,7 +162,8 @@ def run(n: int, seed: int = 1, max_seconds: float | None = None, out=sys.stdout)
     outcomes: collections.Counter = collections.Counter()
     by_gen: collections.Counter = collections.Counter()
     untyped: list[tuple[str, str, bytes]] = []
-    slowest, slowest_kind = 0.0, ""
+    slowest: list = []  # min-heap of the SLOWEST slowest inputs: (seconds, tie-break, kind, fn, arg)
+    tie = itertools.count()
     t_start = time.monotonic()
     tried = 0
     rng = fz.rng
@@ -185,8 +189,10 @@ def run(n: int, seed: int = 1, max_seconds: float | None = None, out=sys.stdout)
             if len(untyped) < 20:
                 untyped.append((kind, f"{type(e).__name__}: {e}"[:200], bytes(arg[:64])))
         dt = time.perf_counter() - t0
-        if dt > slowest:
-            slowest, slowest_kind = dt, kind
+        if len(slowest) < SLOWEST:
+            heapq.heappush(slowest, (dt, next(tie), kind, fn, arg))
+        elif dt > slowest[0][0]:
+            heapq.heapreplace(slowest, (dt, next(tie), kind, fn, arg))
         outcomes[outcome] += 1
     elapsed = time.monotonic() - t_start
     n_untyped = sum(v for k, v in outcomes.items() if k.startswith("UNTYPED"))
@@ -198,9 +204,26 @@ def run(n: int, seed: int = 1, max_seconds: float | None = None, out=sys.stdout)
     print(f"untyped exceptions: {n_untyped}", file=out)
     for kind, what, head in untyped:
         print(f"  {kind}: {what} input {head.hex()}", file=out)
-    print(f"max decode time: {slowest * 1e3:.3f} ms ({slowest_kind})", file=out)
+    first = max(slowest, default=(0.0, 0, "", None, b""))
+    retimed = max(((_best_of(fn, arg), kind, len(arg)) for _, _, kind, fn, arg in slowest), default=(0.0, "", 0))
+    print(f"max decode time: {first[0] * 1e3:.3f} ms as measured in the run ({first[2]}, {len(first[4])} bytes); "
+          f"the {len(slowest)} slowest inputs re-timed (best of 5): at most {retimed[0] * 1e3:.3f} ms "
+          f"({retimed[1]}, {retimed[2]} bytes)", file=out)
     return {"tried": tried, "untyped": n_untyped, "outcomes": dict(outcomes), "by_gen": dict(by_gen),
-            "max_seconds": slowest}
+            "max_decode_s": retimed[0]}
+
+
+def _best_of(fn, arg, k: int = 5) -> float:
+    """The fastest of ``k`` timings of ``fn(arg)``: tells a slow input from a scheduling hiccup."""
+    best = float("inf")
+    for _ in range(k):
+        t0 = time.perf_counter()
+        try:
+            fn(arg)
+        except BaseException:  # noqa: BLE001 - already counted
+            pass
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main(argv=None) -> int:
