@@ -67,7 +67,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.msgs = corpus()
         self.bodies = [wire.encode(m)[4:] for m in self.msgs]
-        self.trees = [msgspec.to_builtins(m) for m in self.msgs]
+        self.trees = [msgspec.to_builtins(m, builtin_types=(bytes,)) for m in self.msgs]
 
     # ---- generators: each returns one decode input ----------------------------------------------------------
     def random_bytes(self) -> bytes:

@@ -169,7 +169,8 @@ def test_every_number_of_every_message_is_range_checked():
     what int64 arithmetic holds, is a ProtocolError at decode, before any code sees it."""
     checked = 0
     for m in _every_message():
-        tree = msgspec.to_builtins(m)
+        tree = msgspec.to_builtins(m, builtin_types=(bytes,))
+        assert wire.decode(msgspec.msgpack.encode(tree)) == m  # only the changed number can make it fail
         for path in _int_paths(tree):
             region = path[-3:-1] == ("regions", 0)  # RegionDesc is [ptr, nbytes, device]
             low = -2 if region and path[-1] == 2 else -1  # device -1 is host memory
@@ -202,3 +203,76 @@ def test_fuzz_short_run():
     assert "inputs tried: 20000 " in proc.stdout and "untyped exceptions: 0" in proc.stdout
     for gen in ("random_bytes", "mutate", "numbers", "structure", "deep", "frame_length"):
         assert f"{gen} " in proc.stdout, proc.stdout
+
+
+# ---- at the edge: a real consumer answers hostile frames with an Error and keeps serving -----------------------
+@pytest.fixture
+def consumer():
+    from kvxfer import Consumer, KVLayout
+
+    dst = np.zeros((8, 4, 2, 8), np.uint8)
+    with Consumer(KVLayout.from_tensors([dst], dims="BNHD"), transport="tcp", handshake_timeout=2.0) as c:
+        c.dst = dst
+        yield c
+
+
+def _hello_tree(consumer):
+    return msgspec.to_builtins(wire.Hello(version=wire.VERSION, peer_id="raw", layout=consumer.layout.desc(),
+                                          transport="tcp"), builtin_types=(bytes,))
+
+
+def _still_serves(consumer):
+    from kvxfer import KVLayout, Producer
+
+    src = np.arange(8 * 4 * 2 * 8, dtype=np.uint8).reshape(8, 4, 2, 8)
+    with Producer(KVLayout.from_tensors([src], dims="BNHD"), transport="tcp") as p:
+        p.push(consumer.address, "ok", [1, 2], deadline=10).wait()
+    a = consumer.get(10)
+    assert np.array_equal(consumer.dst[a.block_ids], src[[1, 2]])
+    consumer.release(a.req)
+
+
+def test_hostile_hellos_get_an_error_frame_and_the_consumer_keeps_serving(consumer):
+    from conformance.rawpeer import RawPeer
+
+    huge = _hello_tree(consumer)
+    huge["layout"]["num_blocks"] = 2**64 - 1  # raised OverflowError: no Error frame
+    stride = _hello_tree(consumer)
+    stride["layout"]["seg_stride"] = [2**63]
+    deep = {**_hello_tree(consumer), "x": "@@@@"}  # an unknown field: msgspec skipped it, recursing
+    deep = msgspec.msgpack.encode(deep).replace(b"\xa4@@@@", b"\x91" * 100_000 + b"\x00")
+    valid = msgspec.msgpack.encode(_hello_tree(consumer))
+    assert isinstance(wire.decode(valid), wire.Hello)  # the hostile bodies differ from a good one only as named
+    for body in (msgspec.msgpack.encode(huge), msgspec.msgpack.encode(stride), deep):  # each its own defect
+        raw = RawPeer(consumer.address)
+        raw.send_frame(body)
+        reply = raw.recv()
+        assert isinstance(reply, wire.Error) and reply.code == "protocol", reply
+        assert raw.closed_by_peer()
+        raw.close()
+    _still_serves(consumer)
+
+
+def test_a_write_of_length_minus_one_ends_the_data_connection_cleanly(consumer, monkeypatch):
+    import threading
+    import time
+
+    from conformance.rawpeer import RawPeer
+
+    crashed = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_type))
+    ctl = RawPeer(consumer.address)
+    welcome = ctl.hello(consumer.layout, "tcp")
+    assert isinstance(welcome, wire.Welcome)
+    data = RawPeer(consumer.address)
+    data.send(wire.DataHello(session=welcome.session))
+    data.send_frame(msgspec.msgpack.encode({"t": "write_data", "req": "r", "gen": 1, "ids": b"", "offset": 0,
+                                            "length": -1}))  # killed the receiver thread with ValueError
+    assert data.closed_by_peer()
+    deadline = time.monotonic() + 5  # the receiver closes the socket before its thread has ended
+    while any(t.name.endswith("serve_writes") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    data.close()
+    ctl.close()
+    assert crashed == []
+    _still_serves(consumer)
