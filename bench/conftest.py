@@ -19,10 +19,10 @@ def fake_layout(num_blocks: int, layers: int = 1, heads: int = 8, block_size: in
     block = heads * block_size * width * itemsize
     strides = (block, block_size * width * itemsize, width * itemsize, itemsize)
     if cross_layer:
-        shape = (num_blocks, layers * heads, block_size, width)
-        v = TensorView(1 << 40, shape, (block * layers,) + strides[1:], itemsize, "bfloat16")
-        return KVLayout.from_tensors([v], num_layers=layers, block_size=block_size)
+        shape = (num_blocks, layers, heads, block_size, width)
+        v = TensorView(1 << 40, shape, (block * layers, block) + strides[1:], itemsize, "bfloat16")
+        return KVLayout.from_tensors([v], dims="BLHND")
     views = [TensorView((1 << 40) + i * (num_blocks * block + (1 << 20)), (num_blocks, heads, block_size, width),
                         strides, itemsize, "bfloat16") for i in range(layers)]
-    return KVLayout.from_tensors(views, block_size=block_size)
+    return KVLayout.from_tensors(views, dims="BHND")
 

@@ -15,7 +15,9 @@ from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, se
 from .errors import PeerError, ProtocolError, TimeoutError
 
 class Channel:
-    """One framed, thread-safe-to-send connection. ``recv`` blocks up to the socket's timeout."""
+    """One framed, thread-safe-to-send connection."""
+
+    CHUNK = 256 << 10  # a frame body is read in pieces of at most this: memory follows what has arrived
 
     def __init__(self, sock: socket.socket, max_frame: int = wire.MAX_FRAME):
         self.sock = sock
@@ -31,23 +33,40 @@ class Channel:
             except OSError as e:
                 raise PeerError(f"send failed: {e}") from None
 
-    def recv(self, timeout: float | None = None):
-        """The next message; ``PeerError`` on EOF or socket error, ``ProtocolError`` on a bad frame."""
-        if timeout is not None:
-            self.sock.settimeout(timeout)
+    def recv(self, timeout: float | None = None, *, max_frame: int | None = None):
+        """The next message; ``PeerError`` on EOF or socket error, ``ProtocolError`` on a bad frame.
+
+        ``timeout`` bounds the whole message, header and body: a peer dribbling a byte at a time cannot hold
+        the connection past it (``TimeoutError``). Without it each read waits up to the socket's own timeout.
+        ``max_frame`` overrides the channel's limit for this message (a small one before the peer has
+        authenticated). The body buffer grows with the bytes that arrive, never to the announced size at once.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            header = recv_exact(self.sock, 4)
-            body = recv_exact(self.sock, wire.frame_length(header, self.max_frame))
+            header = self._read(4, deadline)
+            n = wire.frame_length(header, self.max_frame if max_frame is None else max_frame)
+            body = self._read(n, deadline)
         except socket.timeout:
-            raise TimeoutError("no message before the deadline") from None
+            raise TimeoutError("no whole message before the deadline") from None
         except OSError as e:
             raise PeerError(f"receive failed: {e}") from None
         return wire.decode(body)
 
-    def request(self, msg, timeout: float):
+    def _read(self, n: int, deadline: float | None) -> bytearray:
+        buf = bytearray()
+        while len(buf) < n:
+            if deadline is not None:
+                self.sock.settimeout(remaining(deadline))
+            piece = self.sock.recv(min(n - len(buf), self.CHUNK))
+            if not piece:
+                raise PeerError("connection closed by peer")
+            buf += piece
+        return buf
+
+    def request(self, msg, timeout: float, *, max_frame: int | None = None):
         """Send ``msg`` and wait for one answer (handshakes only; later traffic has a reader thread)."""
         self.send(msg)
-        return self.recv(timeout)
+        return self.recv(timeout, max_frame=max_frame)
 
     def close(self) -> None:
         if not self.closed:

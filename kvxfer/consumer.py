@@ -189,7 +189,7 @@ class Consumer(HandleBase):
         ch = Channel(sock, self.max_frame)
         end = time.monotonic() + self.handshake_timeout  # one deadline for the whole handshake
         try:
-            first = ch.recv(self.handshake_timeout)
+            first = ch.recv(self.handshake_timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
             if isinstance(first, wire.DataHello):
                 return self._accept_data(ch, first)
         except KVXferError as e:
@@ -237,8 +237,9 @@ class Consumer(HandleBase):
         hello = handshake.check_hello(first)
         challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
         ch.send(challenge)
-        remote, pairing, name, meta, key = handshake.check_proof(ch.recv(remaining(end)), self.auth, hello.nonce,
-                                                                 nonce, self.layout, list(self.transports))
+        proof = ch.recv(remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
+        remote, pairing, name, meta, key = handshake.check_proof(proof, self.auth, hello.nonce, nonce, self.layout,
+                                                                 list(self.transports))
         s = _ConsumerSession(next(self._sids), ch, hello.peer_id)
         s.transport = self.transports[name]
         s.peer = Peer(s.sid, self.address, remote, pairing, meta, is_producer=False, key=key)

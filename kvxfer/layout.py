@@ -1,4 +1,4 @@
-"""Paged-KV geometry: which bytes of registered memory hold block ``b``.
+"""Paged-KV geometry: which bytes of registered memory hold block ``b``, and what those bytes mean.
 
 A layout is a list of *segments*. Segment ``s`` holds ``seg_bytes[s]`` contiguous bytes of every block, at
 ``regions[seg_region[s]].ptr + seg_offset[s] + b * seg_stride[s]``. The concatenation of a block's segments in
@@ -9,6 +9,12 @@ The geometry is derived from each tensor's shape and byte strides, never from an
 dimension picks the block stride, dimensions laid out inside a block must be dense (they form the segment), and
 dimensions laid out outside the block dimension (K/V in ``[2, num_blocks, ...]``, heads in an HND cache whose
 heads are outermost) each add segments.
+
+What the bytes mean comes from the *role* of every tensor dimension, one letter each (``DIMS``). The
+fingerprint's ``order`` lists the roles and sizes of the byte stream's dimensions, outermost first, with size-1
+dimensions dropped and neighbours of one role merged: ``"L32 N16 H8 D256"`` is 32 layers, each 16 tokens, each
+8 kv heads of 256 values. Equal sizes can no longer stand in for each other: NHD and HND differ even when
+``block_size == kv_heads``.
 """
 
 from __future__ import annotations
@@ -22,15 +28,29 @@ from . import wire
 from .errors import IncompatibleError, LayoutError
 from .memory import HOST, Region, TensorView, as_view, merge_regions
 
-MAX_SEGMENTS = 1 << 16
+MAX_SEGMENTS = wire.MAX_SEGMENTS
+MAX_BLOCKS = wire.MAX_BLOCKS
+_I64 = (1 << 63) - 1
+
+DIMS = {
+    "B": "block (its index is the block id)",
+    "L": "layer",
+    "K": "K/V (size 2, K first)",
+    "N": "token within the block (block_size)",
+    "H": "kv head",
+    "D": "feature: head_dim, K and V packed side by side, or an MLA latent",
+}
+_LEGEND = ", ".join(f"{k} = {v}" for k, v in DIMS.items())
+VLLM_DIMS = "BHND"  # vLLM's logical per-layer view [num_blocks, kv_heads, block_size, C], any memory order
 
 
-def _segments_of(view: TensorView, block_dim: int) -> tuple[int, int, int, list[int], tuple[int, ...]]:
-    """(num_blocks, block stride, chunk bytes, segment base addresses, inner sizes in memory order)."""
+def _segments_of(view: TensorView, block_dim: int) -> tuple[int, int, int, list[int], list[int]]:
+    """(num_blocks, block stride, chunk bytes, segment base addresses, stream dims outermost first).
+
+    The stream dims are the dims outside the block (one segment each index, in logical order) followed by
+    the dims inside a segment in memory order.
+    """
     nd = len(view.shape)
-    if not -nd <= block_dim < nd:
-        raise LayoutError(f"block_dim {block_dim} out of range for a {nd}-D tensor")
-    block_dim %= nd
     nblocks, bstride = view.shape[block_dim], view.strides[block_dim]
     dims = [(view.strides[d], view.shape[d], d) for d in range(nd) if d != block_dim and view.shape[d] > 1]
     inner = sorted((st, n, d) for st, n, d in dims if st < bstride or nblocks == 1)
@@ -51,8 +71,83 @@ def _segments_of(view: TensorView, block_dim: int) -> tuple[int, int, int, list[
     outer.sort(key=lambda t: t[2])  # stream order follows logical dim order (K before V, head 0 first, ...)
     bases = [view.ptr + sum(i * st for i, (st, _, _) in zip(idx, outer))
              for idx in itertools.product(*(range(n) for _, n, _ in outer))]
-    order = tuple(n for _, n, _ in sorted(inner, reverse=True))
-    return nblocks, (bstride if nblocks > 1 else chunk), chunk, bases, order
+    stream = [d for _, _, d in outer] + [d for _, _, d in sorted(inner, reverse=True)]
+    return nblocks, (bstride if nblocks > 1 else chunk), chunk, bases, stream
+
+
+def _check_dims(dims: str, shape: tuple, paired: bool) -> str:
+    """Validate a caller's ``dims`` for a tensor of ``shape``."""
+    if not isinstance(dims, str) or len(dims) != len(shape):
+        raise LayoutError(f"dims {dims!r} must name each of the {len(shape)} dims of a tensor of shape {shape}, "
+                          f"one letter each from {''.join(DIMS)}")
+    bad = sorted(set(dims) - set(DIMS))
+    if bad:
+        raise LayoutError(f"dims {dims!r}: unknown letters {bad}; use {_LEGEND}")
+    if len(set(dims)) != len(dims) or "B" not in dims:
+        raise LayoutError(f"dims {dims!r} must name B exactly once and every other letter at most once")
+    if paired and "K" in dims:
+        raise LayoutError(f"dims {dims!r}: a (K, V) pair of tensors has no K dim of its own")
+    if "K" in dims and shape[dims.index("K")] != 2:
+        raise LayoutError(f"dims {dims!r}: the K dim has size {shape[dims.index('K')]}, not 2")
+    return dims
+
+
+def _infer_dims(shape: tuple, block_dim: int, block_size: int, layers: int, paired: bool) -> str:
+    """Read a tensor's dims from its sizes, or raise ``LayoutError`` asking for ``dims`` when they cannot tell.
+
+    The block dim is ``block_dim``, the last dim is D; among the rest (size-1 dims do not matter) one has
+    size ``block_size`` (N), one has size ``layers`` in a tensor holding several layers (L), one more is H and
+    a second more is K (size 2).
+    """
+    nd = len(shape)
+    if block_dim == nd - 1:
+        raise LayoutError(f"the block dim is the last dim of shape {shape}: pass dims (one letter per dim)")
+    fixed = {block_dim: "B", nd - 1: "D"}
+    free = [d for d in range(nd) if d not in fixed and shape[d] > 1]
+    need = [r for r, want in (("N", block_size > 1), ("L", layers > 1)) if want]
+    extra = len(free) - len(need)
+    if extra < 0 or extra > (1 if paired else 2):
+        raise LayoutError(f"cannot tell what the dims of shape {shape} mean (block_size {block_size}, "
+                          f"{layers} layer(s) per tensor): pass dims, one letter per dim from {''.join(DIMS)}")
+    need += ["H", "K"][:extra]
+    size = {"N": block_size, "L": layers, "K": 2}
+    found = set()
+    for perm in itertools.permutations(need):
+        if all(size.get(r, shape[d]) == shape[d] for r, d in zip(perm, free)):
+            roles = {**fixed, **dict(zip(free, perm))}
+            spare = iter(r for r in "HKLN" if r not in roles.values())
+            found.add("".join(roles[d] if d in roles else next(spare, "?") for d in range(nd)))
+    if len(found) != 1:
+        why = "could be " + " or ".join(f"dims={f!r}" for f in sorted(found)) if found else \
+            f"no dim has the size of {' / '.join(f'{r} ({size[r]})' for r in need if r in size)}"
+        raise LayoutError(f"cannot tell what the dims of shape {shape} mean ({why}): pass dims naming each dim, "
+                          f"{_LEGEND}")
+    return found.pop()
+
+
+def _merge(tokens: list) -> list:
+    """Drop size-1 dims and merge neighbours of one role (their indices compose row-major)."""
+    out: list = []
+    for role, n in tokens:
+        if n == 1:
+            continue
+        if out and out[-1][0] == role and n and out[-1][1]:
+            out[-1] = (role, out[-1][1] * n)
+        else:
+            out.append((role, n))
+    return out
+
+
+def _text(tokens: list) -> str:
+    return " ".join(f"{r}{n}" if n else r for r, n in tokens)
+
+
+def _repeat(role: str, parts: list[list]) -> list:
+    """``parts`` one after another along ``role``: one dim when all parts mean the same, else spelled out."""
+    if all(p == parts[0] for p in parts):
+        return _merge([(role, len(parts))] + parts[0])
+    runs = [(len(list(g)), p) for p, g in itertools.groupby(parts, key=_text)]
+    return [(f"{role}[" + " | ".join(f"{k}x({p})" for k, p in runs) + "]", 0)]
 
 
 class KVLayout:
@@ -61,11 +156,12 @@ class KVLayout:
     def __init__(self, regions: Sequence[Region], seg_region, seg_offset, seg_stride, seg_bytes,
                  num_blocks: int, fingerprint: wire.Fingerprint, owners: tuple = ()):
         self.regions = list(regions)
-        self.seg_region = np.asarray(seg_region, dtype=np.int64)
-        self.seg_offset = np.asarray(seg_offset, dtype=np.int64)
-        self.seg_stride = np.asarray(seg_stride, dtype=np.int64)
-        self.seg_bytes = np.asarray(seg_bytes, dtype=np.int64)
+        self.seg_region = _int64("segment regions", seg_region)
+        self.seg_offset = _int64("segment offsets", seg_offset)
+        self.seg_stride = _int64("segment strides", seg_stride)
+        self.seg_bytes = _int64("segment sizes", seg_bytes)
         self.num_blocks = int(num_blocks)
+        self._block_bytes = sum(self.seg_bytes.tolist())  # Python ints: a peer's sizes must not wrap the sum
         self.fingerprint = fingerprint
         self._owners = owners
         self._check()
@@ -76,7 +172,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        return int(self.seg_bytes.sum())
+        return self._block_bytes
 
     @property
     def device(self) -> int:
@@ -84,36 +180,49 @@ class KVLayout:
         return next((r.device for r in self.regions if r.device != HOST), HOST)
 
     def _check(self) -> None:
+        """Every number in range and every segment inside its region, in arithmetic that cannot wrap."""
         n = self.num_segments
         if not 0 < n <= MAX_SEGMENTS:
             raise LayoutError(f"a layout needs 1..{MAX_SEGMENTS} segments, got {n}")
         if not (len(self.seg_region) == len(self.seg_offset) == len(self.seg_stride) == n):
             raise LayoutError("segment arrays differ in length")
-        if self.num_blocks <= 0:
-            raise LayoutError("a layout needs at least one block")
+        if not 0 < self.num_blocks <= MAX_BLOCKS:
+            raise LayoutError(f"a layout needs 1..{MAX_BLOCKS} blocks, got {self.num_blocks}")
+        for r in self.regions:
+            if not (0 <= r.ptr and 0 <= r.nbytes <= _I64 and r.ptr + r.nbytes <= 1 << 64):
+                raise LayoutError(f"region {r} is out of range")
         if (self.seg_bytes <= 0).any() or (self.seg_offset < 0).any() or (self.seg_stride < 0).any():
             raise LayoutError("segment sizes, offsets and strides must be positive")
         if (self.seg_region < 0).any() or (self.seg_region >= len(self.regions)).any():
             raise LayoutError("segment names a region that does not exist")
-        sizes = np.array([r.nbytes for r in self.regions], dtype=np.int64)[self.seg_region]
-        end = self.seg_offset + (self.num_blocks - 1) * self.seg_stride + self.seg_bytes
-        if (end > sizes).any():
+        room = np.array([r.nbytes for r in self.regions], dtype=np.int64)[self.seg_region]
+        if (self.seg_offset > room).any() or (self.seg_bytes > room - self.seg_offset).any():
             raise LayoutError("a segment runs past the end of its region")
+        if self.num_blocks > 1 and \
+                (self.seg_stride > (room - self.seg_offset - self.seg_bytes) // (self.num_blocks - 1)).any():
+            raise LayoutError("a segment runs past the end of its region")
+        if self.block_bytes > _I64 // self.num_blocks:
+            raise LayoutError(f"{self.num_blocks} blocks of {self.block_bytes} bytes overflow int64")
         fp = self.fingerprint
         if fp.block_bytes != self.block_bytes:
             raise LayoutError(f"fingerprint says {fp.block_bytes} bytes per block, segments hold {self.block_bytes}")
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_tensors(cls, caches, *, block_dim: int = 0, block_size: int | None = None,
-                     num_layers: int | None = None, order: str | None = None) -> "KVLayout":
+    def from_tensors(cls, caches, *, dims: str | None = None, block_dim: int | None = None,
+                     block_size: int | None = None, num_layers: int | None = None) -> "KVLayout":
         """Describe a KV cache.
 
         ``caches`` is one cross-layer tensor, a sequence of per-layer tensors, or a mapping layer name ->
         tensor; a layer may also be a (K, V) pair of tensors. Layers keep the given order on both sides.
-        ``block_size`` (tokens per block) defaults to ``shape[2]`` of a 4-D vLLM view
-        ``[num_blocks, kv_heads, block_size, C]``. ``order`` names the content order of a block for the
-        fingerprint; by default it is derived from the sizes of the in-block dimensions in memory order.
+
+        ``dims`` names what every dim of each tensor means, one letter per dim (``DIMS``): ``"BHND"`` is vLLM's
+        ``[num_blocks, kv_heads, block_size, C]``, ``"BNHD"`` a ``[num_blocks, block_size, kv_heads, head_dim]``
+        tensor, ``"KBNHD"`` ``[2, num_blocks, ...]``, ``"BLNHD"`` a cross-layer tensor. It fixes ``block_dim``
+        (where B is), ``block_size`` (the size of N) and the layers a tensor holds (the size of L). Without it
+        the dims are read from their sizes (``_infer_dims``): 4-D tensors with no ``block_size`` are vLLM's
+        view by position; otherwise sizes that collide (``block_size == kv_heads``, say) raise ``LayoutError``
+        asking for ``dims``. ``num_layers`` defaults to the layers the tensors hold.
         """
         if isinstance(caches, Mapping):
             layers = list(caches.values())
@@ -125,47 +234,71 @@ class KVLayout:
         views = [v for lay in per_layer for v in lay]
         if not views:
             raise LayoutError("no tensors given")
+        if any(len(lay) > 2 for lay in per_layer):
+            raise LayoutError("a layer is one tensor or a (K, V) pair")
         dtypes = {v.dtype for v in views}
         if len(dtypes) != 1:
             raise LayoutError(f"mixed dtypes {sorted(dtypes)}")
         devices = {v.device for v in views}
         if len(devices) != 1:
             raise LayoutError(f"tensors on several devices {sorted(devices)}")
+        v0 = views[0]
+        if dims is not None:
+            _check_dims(dims, v0.shape, False)
+            if block_dim is not None and block_dim % len(dims) != dims.index("B"):
+                raise LayoutError(f"block_dim {block_dim} disagrees with dims {dims!r}")
+            block_dim = dims.index("B")
+            if block_size is None:
+                if "N" not in dims:
+                    raise LayoutError(f"dims {dims!r} has no N (token) dim: pass block_size")
+                block_size = v0.shape[dims.index("N")]
+            if num_layers is None and "L" in dims:
+                num_layers = len(per_layer) * v0.shape[dims.index("L")]
+        block_dim = 0 if block_dim is None else block_dim
+        if not -len(v0.shape) <= block_dim < len(v0.shape):
+            raise LayoutError(f"block_dim {block_dim} out of range for a {len(v0.shape)}-D tensor")
+        if block_size is None and dims is None:  # vLLM's view, by position
+            if len(v0.shape) != 4 or block_dim % 4 != 0:
+                raise LayoutError("block_size is needed unless tensors are 4-D [num_blocks, heads, block_size, C]")
+            dims, block_size = VLLM_DIMS, v0.shape[2]
+        n_layers = num_layers if num_layers is not None else len(per_layer)
+        if n_layers <= 0 or n_layers % len(per_layer):
+            raise LayoutError(f"{len(per_layer)} layer entries cannot hold {n_layers} layers")
+        held = n_layers // len(per_layer)  # layers inside each tensor
+
         regions = merge_regions(views)
         starts = np.array([r.ptr for r in regions])
         seg_region, seg_offset, seg_stride, seg_bytes = [], [], [], []
-        nblocks, orders = None, []
-        for v in views:
-            nb, stride, chunk, bases, inner = _segments_of(v, block_dim)
-            if nblocks not in (None, nb):
-                raise LayoutError(f"tensors disagree on the number of blocks ({nblocks} vs {nb})")
-            nblocks = nb
-            orders.append(inner)
-            for base in bases:
-                r = int(np.searchsorted(starts, base, side="right") - 1)
-                seg_region.append(r)
-                seg_offset.append(base - regions[r].ptr)
-                seg_stride.append(stride)
-                seg_bytes.append(chunk)
+        nblocks, entries = None, []
+        for lay in per_layer:
+            parts = []
+            for v in lay:
+                bd = block_dim % len(v.shape)
+                if dims is None:
+                    roles = _infer_dims(v.shape, bd, block_size, held, len(lay) == 2)
+                else:
+                    roles = _check_dims(dims, v.shape, len(lay) == 2)
+                _check_sizes(roles, v.shape, block_size, held)
+                nb, stride, chunk, bases, stream = _segments_of(v, bd)
+                if nblocks not in (None, nb):
+                    raise LayoutError(f"tensors disagree on the number of blocks ({nblocks} vs {nb})")
+                nblocks = nb
+                parts.append(_merge([(roles[d], v.shape[d]) for d in stream]))
+                for base in bases:
+                    r = int(np.searchsorted(starts, base, side="right") - 1)
+                    seg_region.append(r)
+                    seg_offset.append(base - regions[r].ptr)
+                    seg_stride.append(stride)
+                    seg_bytes.append(chunk)
+            entries.append(_repeat("K", parts) if len(parts) == 2 else parts[0])
         if len(seg_bytes) > MAX_SEGMENTS:
             raise LayoutError(f"{len(seg_bytes)} segments exceed the limit of {MAX_SEGMENTS}")
-        if block_size is None:
-            v0 = views[0]
-            if len(v0.shape) != 4 or block_dim % 4 != 0:
-                raise LayoutError("block_size is needed unless tensors are 4-D [num_blocks, heads, block_size, C]")
-            block_size = v0.shape[2]
-        n_layers = num_layers if num_layers is not None else len(per_layer)
         total = int(sum(seg_bytes))
-        if n_layers <= 0 or total % n_layers:
+        if total % n_layers:
             raise LayoutError(f"{total} bytes per block do not split into {n_layers} layers")
-        if order is None:
-            inner = orders[0]
-            if len(views) == 1 and n_layers > 1 and inner and inner[0] == n_layers:
-                inner = inner[1:]  # a cross-layer block holds the same per-layer content, layer after layer
-            order = "x".join(map(str, inner)) if len(set(orders)) == 1 else "mixed"
         fp = wire.Fingerprint(version=wire.VERSION, dtype=dtypes.pop(), block_size=int(block_size),
                               num_layers=int(n_layers), layer_bytes=total // n_layers, block_bytes=total,
-                              order=order)
+                              order=_text(_repeat("L", entries)))
         return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views))
 
     def desc(self) -> wire.LayoutDesc:
@@ -192,10 +325,27 @@ class KVLayout:
                 f"{len(self.regions)} regions, {fp.num_layers} layers, {fp.dtype}, order {fp.order})")
 
 
+def _check_sizes(roles: str, shape: tuple, block_size: int, held: int) -> None:
+    """N and L must have the sizes the rest of the description gives them. A tensor holding several layers needs
+    its L dim; one without an N dim holds its tokens inside another dim, opaquely (say, ``"BD"`` for raw bytes)."""
+    for role, want, what in (("N", block_size, "block_size"), ("L", held, "layers per tensor")):
+        got = shape[roles.index(role)] if role in roles else None if role == "N" else 1
+        if got not in (None, want):
+            raise LayoutError(f"dims {roles!r} of shape {shape}: the {role} dim has size {got}, "
+                              f"but {what} is {want}")
+
+
+def _int64(what: str, values) -> np.ndarray:
+    """``values`` as int64, refusing (not wrapping) what does not fit."""
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        raise LayoutError(f"{what} out of range") from None
+
+
 def check_compatible(local: wire.Fingerprint, remote: wire.Fingerprint) -> None:
     """Raise ``IncompatibleError`` naming every field the two sides disagree on."""
     diffs = [f"{name}: local {getattr(local, name)!r} != remote {getattr(remote, name)!r}"
              for name in local.__struct_fields__ if getattr(local, name) != getattr(remote, name)]
     if diffs:
         raise IncompatibleError("incompatible KV layouts: " + "; ".join(diffs))
-

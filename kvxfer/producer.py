@@ -104,10 +104,10 @@ class Producer(HandleBase):
             end = time.monotonic() + timeout
             opening, nonce = handshake.hello(self.peer_id)
             offers = [(name, t.local_meta()) for name, t in self.transports.items()]
-            challenge = ch.request(opening, timeout)
+            challenge = ch.request(opening, timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
             proof, key = handshake.answer(challenge, address, self.auth, nonce, self.layout, offers)
-            reply, remote, pairing = handshake.check_welcome(ch.request(proof, remaining(end)), address, key,
-                                                             self.layout, list(self.transports))
+            welcome = ch.request(proof, remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
+            reply, remote, pairing = handshake.check_welcome(welcome, address, key, self.layout, list(self.transports))
             peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True, key=key)
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]

@@ -2,8 +2,10 @@
 
 A frame is a 4-byte big-endian length followed by that many bytes of msgpack. Frames above ``max_frame``
 are refused before a byte of their body is read, and decoding untrusted bytes raises nothing but
-``ProtocolError``. Block ids travel as packed little-endian uint32 (``ids_to_bytes``) so a 128k-token
-request costs one memcpy, not a million msgpack integers.
+``ProtocolError``: every number is range-checked (no negative length, nothing that wraps int64 arithmetic),
+unknown fields are refused, and the free-form ``meta`` is a JSON-like dict of bounded depth and size. Block
+ids travel as packed little-endian uint32 (``ids_to_bytes``) so a 128k-token request costs one memcpy, not a
+million msgpack integers.
 
 Control flow (one TCP control connection per producer -> consumer pair; data moves on the transport):
 
@@ -22,47 +24,80 @@ either Cancel(req, gen) from either side; Error(req, code, message) on any failu
 from __future__ import annotations
 
 import struct
-from typing import Any, Union
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
 
 from .errors import BlockError, ProtocolError
 
-VERSION = 2
+VERSION = 2  # 2: mutual authentication; the fingerprint names what every in-block dimension means; strict decoding
 MAX_FRAME = 64 << 20
+MAX_HANDSHAKE_FRAME = 1 << 20  # before both sides proved the token (a layout with 640 segments is ~9 KiB)
+MAX_SEGMENTS = 1 << 16
+MAX_BLOCKS = 1 << 32  # block ids travel as uint32
+META_DEPTH = 4  # containers a meta value may nest, below the meta dict itself
+META_ITEMS = 1024  # entries of any one dict or list inside meta
 _LEN = struct.Struct(">I")
 
-
-class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """What two sides must agree on before a byte moves."""
-
-    version: int
-    dtype: str
-    block_size: int
-    num_layers: int
-    layer_bytes: int
-    block_bytes: int
-    order: str
+U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # counts, lengths, offsets: int64 arithmetic never wraps
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds nothing above 2**64 - 1
+Device = Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)]
+Name = Annotated[str, msgspec.Meta(max_length=1 << 16)]
+Secret = Annotated[bytes, msgspec.Meta(max_length=64)]  # nonces and MACs
 
 
-class RegionDesc(msgspec.Struct, array_like=True, frozen=True):
-    ptr: int
-    nbytes: int
-    device: int
+def _json_like(depth: int):
+    """A JSON-like value nesting at most ``depth`` containers of at most ``META_ITEMS`` entries each."""
+    t = Union[None, bool, int, float, str]
+    for _ in range(depth):
+        t = Union[None, bool, int, float, str, Annotated[list[t], msgspec.Meta(max_length=META_ITEMS)],
+                  Annotated[dict[str, t], msgspec.Meta(max_length=META_ITEMS)]]
+    return t
 
 
-class LayoutDesc(msgspec.Struct, frozen=True):
-    num_blocks: int
-    regions: list[RegionDesc]
-    seg_region: list[int]
-    seg_offset: list[int]
-    seg_stride: list[int]
-    seg_bytes: list[int]
+Meta = Annotated[dict[str, _json_like(META_DEPTH)], msgspec.Meta(max_length=META_ITEMS)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused rather than skipped: skipping an untyped value is where unbounded nesting
+    would get in. Versions evolve through ``VERSION``, checked first in the handshake."""
+
+
+class Fingerprint(_Strict, frozen=True):
+    """What two sides must agree on before a byte moves. ``order`` names every in-block dimension by what it
+    means, outermost first (``layout`` builds it): equal fingerprints mean the same bytes in the same places."""
+
+    version: U32
+    dtype: Name
+    block_size: U32
+    num_layers: U32
+    layer_bytes: U63
+    block_bytes: U63
+    order: Name
+
+
+class RegionDesc(_Strict, array_like=True, frozen=True):
+    ptr: U64
+    nbytes: U63
+    device: Device
+
+
+_Segs = Annotated[list[U63], msgspec.Meta(max_length=MAX_SEGMENTS)]
+
+
+class LayoutDesc(_Strict, frozen=True):
+    num_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)]
+    regions: Annotated[list[RegionDesc], msgspec.Meta(max_length=MAX_SEGMENTS)]
+    seg_region: _Segs
+    seg_offset: _Segs
+    seg_stride: _Segs
+    seg_bytes: _Segs
     fingerprint: Fingerprint
 
 
-class _Msg(msgspec.Struct, tag_field="t", kw_only=True):
+class _Msg(_Strict, tag_field="t", kw_only=True):
     pass
 
 
@@ -70,38 +105,38 @@ class Hello(_Msg, tag="hello"):
     """First frame on a control connection, producer -> consumer: who it is and its challenge. Nothing about
     memory (layout, transport metadata) crosses before both sides proved they hold the token."""
 
-    version: int
-    peer_id: str
-    nonce: bytes
+    version: U32
+    peer_id: Name
+    nonce: Secret
 
 
 class Challenge(_Msg, tag="challenge"):
     """Consumer -> producer: the consumer's challenge, and its proof over both nonces that it holds the token."""
 
-    version: int
-    peer_id: str
-    nonce: bytes
-    proof: bytes
+    version: U32
+    peer_id: Name
+    nonce: Secret
+    proof: Secret
 
 
 class Proof(_Msg, tag="proof"):
     """Producer -> consumer: its proof, bound to what follows (its layout, and per transport it can use, in
     preference order, that transport's metadata); the consumer picks the first transport it has too."""
 
-    proof: bytes
+    proof: Secret
     layout: LayoutDesc
-    transports: list[tuple[str, bytes]]
+    transports: Annotated[list[tuple[Name, bytes]], msgspec.Meta(max_length=8)]
 
 
 class Welcome(_Msg, tag="welcome"):
     """The consumer's answer to ``Proof``: its session id, layout, the chosen transport and that transport's
     metadata, authenticated with the session key."""
 
-    session: int
+    session: U64
     layout: LayoutDesc
-    transport: str
+    transport: Name
     transport_meta: bytes = b""
-    mac: bytes = b""
+    mac: Secret = b""
 
 
 class Admit(_Msg, tag="admit"):
@@ -113,37 +148,37 @@ class Admit(_Msg, tag="admit"):
     """
 
     req: str
-    num_blocks: int
-    deadline_ms: int
-    meta: dict[str, Any] = {}
-    senders: int = 1
-    part: int = 0
-    layers: Union[list[int], None] = None
-    attempt: int = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
+    num_blocks: U32
+    deadline_ms: U63
+    meta: Meta = {}
+    senders: U32 = 1
+    part: U32 = 0
+    layers: Union[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)], None] = None
+    attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
 
 
 class Grant(_Msg, tag="grant"):
     req: str
-    gen: int
+    gen: U63
     ids: bytes
-    attempt: int = 0
+    attempt: U63 = 0
 
 
 class Busy(_Msg, tag="busy"):
     req: str
-    retry_after_ms: int
+    retry_after_ms: U63
     reason: str = ""
-    attempt: int = 0
+    attempt: U63 = 0
 
 
 class Offer(_Msg, tag="offer"):
     """Pull: the producer's blocks ``ids`` may be read until the lease runs out."""
 
     req: str
-    gen: int
+    gen: U63
     ids: bytes
-    lease_ms: int
-    meta: dict[str, Any] = {}
+    lease_ms: U63
+    meta: Meta = {}
     digests: bytes = b""
 
 
@@ -151,9 +186,9 @@ class Done(_Msg, tag="done"):
     """Push: the producer has moved every byte of ``req`` into the granted blocks."""
 
     req: str
-    gen: int
-    nbytes: int
-    meta: dict[str, Any] = {}
+    gen: U63
+    nbytes: U63
+    meta: Meta = {}
     digests: bytes = b""
 
 
@@ -161,20 +196,20 @@ class Released(_Msg, tag="released"):
     """Pull: the consumer has read ``req``; the producer may free its blocks."""
 
     req: str
-    gen: int
-    nbytes: int
+    gen: U63
+    nbytes: U63
 
 
 class Ack(_Msg, tag="ack"):
     """The other side agrees that ``req`` completed."""
 
     req: str
-    gen: int
+    gen: U63
 
 
 class Cancel(_Msg, tag="cancel"):
     req: str
-    gen: int
+    gen: U63
     reason: str = ""
 
 
@@ -182,18 +217,18 @@ class Error(_Msg, tag="error"):
     req: str
     code: str
     message: str
-    gen: int = 0
-    attempt: int = 0  # set when answering an Admit
+    gen: U63 = 0
+    attempt: U63 = 0  # set when answering an Admit
 
 
 class DataHello(_Msg, tag="data_hello"):
     """First frame of a transport data connection: the control session it belongs to, proven with that
     session's key over a fresh nonce (a replayed one is refused)."""
 
-    session: int
-    purpose: str = "push"  # "push": producer -> consumer writes; "pull": consumer reads served by the producer
-    nonce: bytes = b""
-    mac: bytes = b""
+    session: U64
+    purpose: Name = "push"  # "push": producer -> consumer writes; "pull": consumer reads served by the producer
+    nonce: Secret = b""
+    mac: Secret = b""
 
 
 class WriteData(_Msg, tag="write_data"):
@@ -201,10 +236,10 @@ class WriteData(_Msg, tag="write_data"):
     the byte stream of blocks ``ids`` (the consumer's own ids, checked against the grant)."""
 
     req: str
-    gen: int
+    gen: U63
     ids: bytes
-    offset: int
-    length: int
+    offset: U63
+    length: U63
 
 
 class ReadData(_Msg, tag="read_data"):
@@ -212,10 +247,10 @@ class ReadData(_Msg, tag="read_data"):
     ``ids`` (checked against the offer); the producer answers ``DataReply`` then the bytes."""
 
     req: str
-    gen: int
+    gen: U63
     ids: bytes
-    offset: int
-    length: int
+    offset: U63
+    length: U63
 
 
 class DataReply(_Msg, tag="data_reply"):
@@ -223,7 +258,7 @@ class DataReply(_Msg, tag="data_reply"):
 
     req: str
     ok: bool
-    length: int = 0
+    length: U63 = 0
     code: str = ""
     message: str = ""
 
@@ -251,11 +286,27 @@ def frame_length(header: bytes, max_frame: int = MAX_FRAME) -> int:
     return n
 
 
+def _tag_first(body) -> bool:
+    """Whether ``body`` is a map whose first key is the tag ``t``, as ``encode`` writes every message.
+
+    Then msgspec reads the tag first and decodes every field by its type, whose nesting is bounded; a tag
+    further in would make it skip untyped values to find it, recursing as deep as the peer nests them.
+    """
+    head = body[:1]
+    if not head:
+        return False
+    b = head[0]
+    skip = 1 if 0x80 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else 0
+    return bool(skip) and body[skip:skip + 2] == b"\xa1t"
+
+
 def decode(body: bytes) -> _Msg:
     """Decode one frame body; any defect is a ``ProtocolError``."""
+    if not _tag_first(body):
+        raise ProtocolError("malformed message: not a map starting with its tag 't'")
     try:
         return _decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
         raise ProtocolError(f"malformed message: {e}") from None
 
 

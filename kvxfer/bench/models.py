@@ -102,4 +102,4 @@ def layout_of(geom: Geometry, arrays: list[np.ndarray]) -> KVLayout:
     """The kvxfer layout of per-layer arrays, fingerprinted with the geometry's real dtype name."""
     name = DTYPES[geom.dtype][1]
     views = [dataclasses.replace(as_view(a), dtype=name) for a in arrays]
-    return KVLayout.from_tensors(views, block_size=geom.block_size)
+    return KVLayout.from_tensors(views, dims="BHND")  # [num_blocks, kv_heads, block_size, width]

@@ -33,14 +33,16 @@ class Spec:
             H, C = 1, D * 2 + 8
         else:
             C = 2 * D
-        kw: dict = {"block_size": bs}
+        kw: dict = {"block_size": bs, "dims": "BHND"}  # what each dim of the tensors handed over means
         if self.kind == "cross_layer":
             phys = [(nb, L, bs, H, C)]
+            kw["dims"] = "BLNHD"
         elif self.kind == "kv_separate":
             phys = [(nb, bs, H, D)] * (2 * L)
+            kw["dims"] = "BNHD"
         elif self.kind == "kv_leading":
             phys = [(2, nb, bs, H, D)] * L
-            kw["block_dim"] = 1
+            kw["dims"] = "KBNHD"
         elif self.kind == "hnd":
             phys = [(nb, H, bs, C)] * L
         elif self.kind == "heads_outer":
