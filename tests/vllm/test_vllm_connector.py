@@ -332,3 +332,25 @@ def test_no_thread_waits_per_request_in_flight(vh, engines, consumers):
     assert sorted(c.get(10)["req"] for _ in range(25)) == sorted(f"r{i}" for i in range(25))
     assert e.finished_sending == {"warm": 1, **{f"r{i}": 1 for i in range(25)}}
     e.assert_no_leaks()
+
+
+def test_shipment_queued_behind_a_hung_handshake_ends_by_its_deadline(vh, engines, consumers, kvlog):
+    """One launcher, busy connecting to a consumer that never answers the handshake: a request queued behind it
+    is still reported by its own (shorter) deadline, not when the launcher frees up."""
+    hung = consumers(spec=CacheSpec())
+    hung.stop()  # accepts the connection, never completes the handshake
+    live = consumers(spec=CacheSpec())
+    e = engines(_ktc(vh, deadline=3.0, connect_timeout=3.0, ship_threads=1))
+    e.add(vh.make_request("to-hung", 40, 1, {"kvxfer": {"consumer": hung.address}}, seed=121))
+    e.run(timeout=10, until=lambda eng: eng.worker.kvxfer.pending().get("to-hung") == "launching")
+    t0 = time.monotonic()
+    e.add(vh.make_request("queued", 40, 1, {"kvxfer": {"consumer": live.address, "deadline": 0.5}}, seed=122))
+    e.run(timeout=10, until=lambda eng: "queued" in eng.finished_sending)
+    took = time.monotonic() - t0
+    assert took < 1.5, took  # the launcher is still in the hung handshake (3 s)
+    assert e.worker.kvxfer.pending().get("to-hung") == "launching"
+    assert "request queued" in kvlog.text() and "passed before the push started" in kvlog.text()
+    e.run(timeout=10)
+    assert e.finished_sending == {"to-hung": 1, "queued": 1}
+    e.assert_no_leaks()
+    assert live.stats()["admitted"] == 0
