@@ -172,8 +172,8 @@ class KVXferWorker:
 
     def _apply_cancels(self, meta: KVXferConnectorMetadata) -> None:
         with self._lock:
-            hit = [(self._shipments.get(rid), reason) for rid, (attempt, reason) in meta.cancel.items()
-                   if rid in self._shipments and self._shipments[rid].order.attempt == attempt]
+            hit = [(sh, reason) for rid, (attempt, reason) in meta.cancel.items()
+                   if (sh := self._shipments.get(rid)) is not None and sh.order.attempt == attempt]
         for sh, reason in hit:
             self._cancel(sh, reason)
 
