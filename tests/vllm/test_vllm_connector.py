@@ -5,6 +5,7 @@ in another process."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -35,6 +36,14 @@ def kvlog():
     lg.addHandler(h)
     yield h
     lg.removeHandler(h)
+
+
+SHIPPING = ("queued", "launching", "shipping")  # a worker shipment that has not ended
+
+
+def busy_retries(c) -> int:
+    """Admissions the consumer answered Busy beyond the first: the retries of the one request it keeps refusing."""
+    return max(0, c.stats()["rejected"] - 1)
 
 
 def _ktc(vh, **extra):
@@ -109,7 +118,7 @@ def test_unclaimed_requests_are_a_complete_no_op(vh, engines):
 
     def spy(request, blocks, n):
         orig(request, blocks, n)
-        calls.append((request.request_id, dict(sched_conn._tracked)))
+        calls.append((request.request_id, sched_conn.pending()))
     sched_conn.update_state_after_alloc = spy
     for i in range(4):
         e.add(vh.make_request(f"r{i}", 40 + i, 3, None if i % 2 else {"foo": {"consumer": "x:1"}}, seed=i))
@@ -149,9 +158,7 @@ def test_consumer_busy_is_retried_until_admitted(vh, engines, consumers, kvlog):
     seen = {"retries": 0, "released": False}
 
     def on_step(eng):
-        job = eng.worker.kvxfer._jobs.get("B")
-        if job is not None:
-            seen["retries"] = max(seen["retries"], job.retries)
+        seen["retries"] = max(seen["retries"], busy_retries(c))
         if seen["retries"] >= 2 and not seen["released"]:
             c.release("A")
             seen["released"] = True
@@ -194,8 +201,7 @@ def test_abort_while_shipping_and_mid_prefill(vh, engines, consumers):
     state = {}
 
     def on_step(eng):
-        job = eng.worker.kvxfer._jobs.get("B")
-        if "B" not in state and job is not None and job.retries >= 1:
+        if "B" not in state and busy_retries(c) >= 1:
             eng.abort("B")  # mid-transfer: the request holds its blocks until the worker reports it
             state["B"] = time.monotonic()
         r = eng.sched.requests.get("C")
@@ -289,9 +295,8 @@ def test_transfer_ended_before_finish_frees_without_holding(vh, engines, consume
     e.add(vh.make_request("long-decode", 40, 12, {"kvxfer": {"consumer": c.address}}, seed=91))
 
     def on_step(eng):  # hold the engine until the shipment ended (a slow model, as it were)
-        job = eng.worker.kvxfer._jobs.get("long-decode")
         end = time.monotonic() + 10
-        while job is not None and not job.done and time.monotonic() < end:
+        while eng.worker.kvxfer.pending().get("long-decode") in SHIPPING and time.monotonic() < end:
             time.sleep(0.005)
     e.run(on_step=on_step)
     p = e.outputs["long-decode"]["kv_transfer_params"]["kvxfer"]
@@ -300,3 +305,52 @@ def test_transfer_ended_before_finish_frees_without_holding(vh, engines, consume
     a = c.get(10)
     assert a["req"] == "long-decode" and vh.expected_tokens_ok(a, e.prompts["long-decode"], 16) == 40
     e.assert_no_leaks()
+
+
+def test_no_thread_waits_per_request_in_flight(vh, engines, consumers):
+    """Shipments pending at a stopped (SIGSTOP) consumer hold no thread each: the process has as many live threads
+    with 25 requests in flight as with one (each push's end arrives by callback); all of them land once it resumes."""
+    c = consumers(spec=CacheSpec(num_blocks=64))
+    e = engines(_ktc(vh, deadline=20), num_blocks=128)
+    e.add(vh.make_request("warm", 20, 1, {"kvxfer": {"consumer": c.address}}, seed=110))
+    e.run()
+    assert c.get(10)["req"] == "warm"
+    c.stop()  # the session stays up; every admission from now on goes unanswered
+
+    def shipping(n):
+        return lambda eng: sum(s == "shipping" for s in eng.worker.kvxfer.pending().values()) >= n
+    e.add(vh.make_request("r0", 20, 1, {"kvxfer": {"consumer": c.address}}, seed=111))
+    e.run(timeout=10, until=shipping(1))
+    before = threading.enumerate()
+    for i in range(1, 25):
+        e.add(vh.make_request(f"r{i}", 20, 1, {"kvxfer": {"consumer": c.address}}, seed=111 + i))
+    e.run(timeout=10, until=shipping(25))
+    after = threading.enumerate()
+    assert len(after) <= len(before), sorted(t.name for t in set(after) - set(before))
+    c.cont()
+    e.run(timeout=20)
+    assert sorted(c.get(10)["req"] for _ in range(25)) == sorted(f"r{i}" for i in range(25))
+    assert e.finished_sending == {"warm": 1, **{f"r{i}": 1 for i in range(25)}}
+    e.assert_no_leaks()
+
+
+def test_shipment_queued_behind_a_hung_handshake_ends_by_its_deadline(vh, engines, consumers, kvlog):
+    """One launcher, busy connecting to a consumer that never answers the handshake: a request queued behind it
+    is still reported by its own (shorter) deadline, not when the launcher frees up."""
+    hung = consumers(spec=CacheSpec())
+    hung.stop()  # accepts the connection, never completes the handshake
+    live = consumers(spec=CacheSpec())
+    e = engines(_ktc(vh, deadline=3.0, connect_timeout=3.0, ship_threads=1))
+    e.add(vh.make_request("to-hung", 40, 1, {"kvxfer": {"consumer": hung.address}}, seed=121))
+    e.run(timeout=10, until=lambda eng: eng.worker.kvxfer.pending().get("to-hung") == "launching")
+    t0 = time.monotonic()
+    e.add(vh.make_request("queued", 40, 1, {"kvxfer": {"consumer": live.address, "deadline": 0.5}}, seed=122))
+    e.run(timeout=10, until=lambda eng: "queued" in eng.finished_sending)
+    took = time.monotonic() - t0
+    assert took < 1.5, took  # the launcher is still in the hung handshake (3 s)
+    assert e.worker.kvxfer.pending().get("to-hung") == "launching"
+    assert "request queued" in kvlog.text() and "passed before the push started" in kvlog.text()
+    e.run(timeout=10)
+    assert e.finished_sending == {"to-hung": 1, "queued": 1}
+    e.assert_no_leaks()
+    assert live.stats()["admitted"] == 0

@@ -129,7 +129,8 @@ def test_kernel_blocks_smaller_than_manager_blocks(vh, consumers):
     try:
         w.register_kv_caches(kv)
         lay = w.producer.layout
-        assert w._ratio == 2 and lay.num_blocks == 2 * kvc.num_blocks and lay.fingerprint.block_size == 8
+        assert w.connector_worker.ratio == 2 and lay.num_blocks == 2 * kvc.num_blocks \
+            and lay.fingerprint.block_size == 8
         order = ShipOrder(req_id="k", transfer_id="k", consumer=c.address, block_ids=[3, 5], num_tokens=30,
                           attempt=1, deadline=10, digests=True, meta={})
         w.bind_connector_metadata(KVXferConnectorMetadata(ship=[order]))

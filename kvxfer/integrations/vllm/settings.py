@@ -1,0 +1,122 @@
+"""What the operator configures (``kv_connector_extra_config``) and what the router asks for per request (a claim
+under ``kv_transfer_params["kvxfer"]``), both checked before anything is tracked or shipped."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ...channel import parse_address
+
+# A child of vLLM's logger: vLLM's handlers and level apply to it.
+log = logging.getLogger("vllm.kvxfer")
+
+PARAMS_KEY = "kvxfer"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` of this connector (the child's own one under MultiConnector)."""
+
+    transport: str = "auto"           # "tcp", "nixl" or "auto"; the consumer must use the same one
+    deadline: float = 30.0            # seconds from the ship order to the end of the transfer, retries included
+    auth: str = ""                    # shared token the consumer expects (or name an env var with auth_env)
+    digests: bool = False             # per-block CRCs checked by the consumer (host memory; tests, debugging)
+    retry_busy: bool = True           # a Busy consumer is asked again after its retry_after, until the deadline
+    connect_timeout: float = 5.0      # cap on connecting + handshaking with a new consumer
+    allowed_consumers: tuple[str, ...] | None = None  # "host:port" or "host"; None: any consumer
+    transport_options: dict = field(default_factory=dict)
+    ship_threads: int = 4             # threads that start shipments (CUDA event, connecting); none waits on one
+    producer_workers: int = 8         # kvxfer Producer data-mover threads
+
+    KEYS = ("transport", "deadline", "auth", "auth_env", "digests", "retry_busy", "connect_timeout",
+            "allowed_consumers", "transport_options", "ship_threads", "producer_workers")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(cls.KEYS))
+        if unknown:
+            log.warning("kvxfer: ignoring unknown kv_connector_extra_config keys %s (known: %s)",
+                        unknown, ", ".join(cls.KEYS))
+        auth = str(extra.get("auth", ""))
+        if extra.get("auth_env"):
+            auth = os.environ.get(str(extra["auth_env"]), auth)
+        allowed = extra.get("allowed_consumers")
+        if allowed is not None:
+            if isinstance(allowed, str) or not all(isinstance(a, str) for a in allowed):
+                raise ValueError("kvxfer: allowed_consumers must be a list of 'host:port' or 'host' strings")
+            allowed = tuple(allowed)
+        s = cls(transport=str(extra.get("transport", "auto")), deadline=float(extra.get("deadline", 30.0)),
+                auth=auth, digests=bool(extra.get("digests", False)),
+                retry_busy=bool(extra.get("retry_busy", True)),
+                connect_timeout=float(extra.get("connect_timeout", 5.0)), allowed_consumers=allowed,
+                transport_options=dict(extra.get("transport_options") or {}),
+                ship_threads=int(extra.get("ship_threads", cls.ship_threads)),
+                producer_workers=int(extra.get("producer_workers", 8)))
+        if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1:
+            raise ValueError("kvxfer: deadline, connect_timeout, ship_threads and producer_workers must be > 0")
+        return s
+
+    def consumer_allowed(self, address: str) -> bool:
+        if self.allowed_consumers is None:
+            return True
+        host, port = parse_address(address)
+        return address in self.allowed_consumers or host in self.allowed_consumers \
+            or f"{host}:{port}" in self.allowed_consumers
+
+
+@dataclass
+class Claim:
+    """What the router asked for in ``kv_transfer_params["kvxfer"]``, checked."""
+
+    consumer: str = ""
+    transfer_id: str = ""
+    meta: dict = field(default_factory=dict)
+    deadline: float = 30.0
+    digests: bool = False
+    error: str | None = None  # a malformed claim: nothing is shipped, the error goes back in kv_transfer_params
+
+
+def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
+    """``None`` when the request is not ours (no ``"kvxfer"`` key), else a ``Claim`` (maybe with an error)."""
+    if not isinstance(params, dict) or PARAMS_KEY not in params:
+        return None
+    spec = params[PARAMS_KEY]
+    claim = Claim(transfer_id=req_id, deadline=settings.deadline, digests=settings.digests)
+    try:
+        if not isinstance(spec, dict):
+            raise ValueError(f'"{PARAMS_KEY}" must be an object, got {type(spec).__name__}')
+        consumer = spec.get("consumer")
+        if not isinstance(consumer, str) or not consumer:
+            raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) is required')
+        try:
+            parse_address(consumer)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the router's mistake
+            raise ValueError(f"bad consumer address {consumer!r}: {e}") from None
+        if not settings.consumer_allowed(consumer):
+            raise ValueError(f"consumer {consumer!r} is not in allowed_consumers")
+        claim.consumer = consumer
+        tid = spec.get("request_id", req_id)
+        if not isinstance(tid, str) or not tid:
+            raise ValueError('"request_id" must be a non-empty string')
+        claim.transfer_id = tid
+        meta = spec.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError('"meta" must be an object')
+        msgspec.msgpack.encode(meta)  # it travels in the Admit message
+        claim.meta = meta
+        if spec.get("deadline") is not None:
+            d = float(spec["deadline"])
+            if not d > 0:
+                raise ValueError('"deadline" must be > 0 seconds')
+            claim.deadline = min(d, settings.deadline)
+        if spec.get("digests") is not None:
+            claim.digests = bool(spec["digests"])
+    except (ValueError, TypeError, msgspec.EncodeError) as e:
+        claim.error = f"bad kv_transfer_params[{PARAMS_KEY!r}]: {e}"
+    return claim

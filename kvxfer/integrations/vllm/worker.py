@@ -1,0 +1,337 @@
+"""The connector's worker half (model-runner process): register vLLM's KV tensors with one kvxfer ``Producer``,
+start a push for each ship order after the forward pass, and report each held request exactly once.
+
+No thread waits for a transfer: each push is a future whose done callback (run by the producer's thread that ends
+it) records the outcome. A few launcher threads start the pushes, because starting one may block: on CUDA it waits
+for the forward pass's event (the KV writes must land before a byte is read), and the first push to a consumer
+connects and handshakes (bounded by ``connect_timeout``). Shipments are handed to them grouped by consumer and step,
+so a consumer that hangs in its handshake delays only its own group.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ...errors import CancelledError, ClosedError, DeadlineError, KVXferError
+from ...layout import KVLayout
+from ...producer import Producer
+from ...transfer import Transfer
+from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .settings import Settings, log
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+QUEUED, LAUNCHING, SHIPPING = "queued", "launching", "shipping"
+ENDED = ("done", "failed", "cancelled")
+
+
+class _Shipment:
+    """One ship order on the worker, from the order to the end of its transfer (state changes under ``lock``)."""
+
+    def __init__(self, order: ShipOrder):
+        self.order = order
+        self.t0 = time.monotonic()
+        self.end_by = self.t0 + order.deadline
+        self.state = QUEUED
+        self.transfer: Transfer | None = None
+        self.cancel_reason: str | None = None
+        self.error: str | None = None
+        self.forget = False   # the request finished without holding its blocks: drop it once ended
+        self.lock = threading.Lock()
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+def _unpushed(o: ShipOrder) -> DeadlineError:
+    return DeadlineError(f"deadline of {o.deadline:g}s passed before the push started")
+
+
+class _Launchers:
+    """A fixed set of threads running ``fn(*item)`` for each submitted item; their number never grows."""
+
+    def __init__(self, n: int, fn: Callable[..., None]):
+        self._fn = fn
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._loop, daemon=True, name=f"kvxfer-launch-{i}")
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, *item: Any) -> None:
+        if self._closed:
+            raise ClosedError("connector shut down")
+        self._items.put(item)
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._items.put(None)
+
+    def _loop(self) -> None:
+        while (item := self._items.get()) is not None:
+            try:
+                self._fn(*item)
+            except Exception:  # noqa: BLE001 - a launcher must survive anything
+                log.exception("kvxfer launcher")
+
+
+class KVXferWorker:
+    """Worker-side state and hooks."""
+
+    def __init__(self, settings: Settings, kv_cache_config: "KVCacheConfig | None"):
+        self.settings = settings
+        self._kv_cache_config = kv_cache_config
+        self._lock = threading.Lock()
+        self._kv_caches: dict[str, torch.Tensor] | None = None
+        self.producer: Producer | None = None
+        self.layout: KVLayout | None = None
+        self.ratio = 1                              # kernel blocks per scheduler block
+        self._shipments: dict[str, _Shipment] = {}
+        self._queued: list[_Shipment] = []
+        self._delayed: set[str] = set()             # vLLM holds their blocks; not finished in vLLM yet
+        self._awaiting: set[str] = set()            # finished and held: reported once their shipment ended
+        self._ended: dict[str, tuple[int, str, str | None]] = {}
+        self._launchers = _Launchers(settings.ship_threads, self._launch)
+
+    # ---- registration ------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._open_producer()
+
+    def _open_producer(self) -> None:
+        assert self._kv_caches is not None
+        seen, tensors = set(), {}
+        for name, t in self._kv_caches.items():  # layers sharing one cache (KV sharing) are shipped once
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key not in seen:
+                seen.add(key)
+                tensors[name] = t
+        layout = KVLayout.from_tensors(tensors)
+        sched_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+        ratio = 1
+        if sched_blocks and layout.num_blocks != sched_blocks:
+            if layout.num_blocks % sched_blocks:
+                raise ValueError(f"kvxfer: {layout.num_blocks} kernel blocks do not split {sched_blocks} blocks")
+            ratio = layout.num_blocks // sched_blocks
+        s = self.settings
+        producer = Producer(layout, transport=s.transport, auth=s.auth, deadline=s.deadline,
+                            connect_timeout=s.connect_timeout, transport_options=s.transport_options,
+                            workers=s.producer_workers)
+        with self._lock:
+            self.layout, self.ratio, self.producer = layout, ratio, producer
+        log.info("kvxfer: registered %d KV tensors as %r (transport %s, %d kernel block(s) per block)",
+                 len(tensors), layout, producer.transport_name, ratio)
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode: the KV memory goes away; stop every shipment and drop the registration."""
+        self._close_producer("KV cache unregistered (sleep)")
+
+    def restore_kv_caches(self) -> None:
+        """Wake-up: the KV tensors are back at the same addresses; register them again."""
+        if self._kv_caches is not None and self.producer is None:
+            self._open_producer()
+
+    def _close_producer(self, reason: str) -> None:
+        with self._lock:
+            shipments = list(self._shipments.values())
+            producer, self.producer = self.producer, None
+        for sh in shipments:
+            self._cancel(sh, reason)
+        if producer is not None:
+            producer.close()
+
+    # ---- orders ------------------------------------------------------------------------------------------
+    def handle_preemptions(self, meta: KVXferConnectorMetadata) -> None:
+        self._apply_cancels(meta)  # before the next forward pass reuses the blocks
+
+    def bind_connector_metadata(self, meta: KVXferConnectorMetadata) -> None:
+        self._apply_cancels(meta)
+        superseded = []
+        with self._lock:
+            self._delayed |= meta.delayed_free
+            for order in meta.ship:
+                old = self._shipments.get(order.req_id)
+                if old is not None:
+                    superseded.append(old)
+                sh = self._shipments[order.req_id] = _Shipment(order)
+                self._queued.append(sh)
+        for old in superseded:
+            self._cancel(old, "superseded by a new attempt")
+
+    def _apply_cancels(self, meta: KVXferConnectorMetadata) -> None:
+        with self._lock:
+            hit = [(sh, reason) for rid, (attempt, reason) in meta.cancel.items()
+                   if (sh := self._shipments.get(rid)) is not None and sh.order.attempt == attempt]
+        for sh, reason in hit:
+            self._cancel(sh, reason)
+
+    def _cancel(self, sh: _Shipment, reason: str) -> None:
+        """Queued: ends now. Launching: the launcher cancels the transfer it gets. Shipping: cancel the transfer,
+        whose done callback ends the shipment."""
+        with sh.lock:
+            if sh.ended or sh.cancel_reason is not None:
+                return
+            sh.cancel_reason = reason
+            t = sh.transfer
+        if t is not None:
+            t.cancel(reason)
+        else:
+            self._end(sh, "cancelled", reason, if_queued=True)
+
+    # ---- shipping ----------------------------------------------------------------------------------------
+    def wait_for_save(self) -> None:
+        """After the forward pass: the prompts ordered this step are in the cache; hand them to the launchers."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        if not queued:
+            return
+        event = None
+        if self.layout is not None and self.layout.device >= 0:
+            import torch
+            event = torch.cuda.Event()
+            event.record()  # the launcher waits for the forward pass's KV writes on the GPU stream
+        groups: dict[str, list[_Shipment]] = {}
+        for sh in queued:
+            groups.setdefault(sh.order.consumer, []).append(sh)
+        for group in groups.values():
+            try:
+                self._launchers.submit(event, group)
+            except ClosedError:
+                for sh in group:
+                    self._end(sh, "failed", "connector shut down")
+
+    def _launch(self, event: Any, group: list[_Shipment]) -> None:
+        """On a launcher thread: wait for the KV writes, then start each push; nothing here waits for a transfer."""
+        try:
+            if event is not None:
+                event.synchronize()
+        except Exception as e:  # noqa: BLE001 - every shipment must still be reported
+            for sh in group:
+                self._end_with(sh, e, if_queued=True)
+            return
+        for sh in group:
+            self._push(sh)
+
+    def _push(self, sh: _Shipment) -> None:
+        with sh.lock:
+            if sh.state != QUEUED or sh.cancel_reason is not None:
+                return  # cancelled or past its deadline while queued
+            sh.state = LAUNCHING
+        o = sh.order
+        try:
+            producer = self.producer
+            if producer is None:
+                raise ClosedError("no KV cache registered (sleeping or shut down)")
+            remaining = sh.end_by - time.monotonic()
+            if remaining <= 0:
+                raise _unpushed(o)
+            t = producer.push(o.consumer, o.transfer_id, self._kernel_ids(o.block_ids), meta=o.meta,
+                              deadline=remaining, digests=o.digests, retry_busy=self.settings.retry_busy)
+        except Exception as e:  # noqa: BLE001 - whatever happens, the request must be reported
+            self._end_with(sh, e)
+            return
+        with sh.lock:
+            sh.transfer, sh.state = t, SHIPPING
+            reason = sh.cancel_reason
+        if reason is not None:
+            t.cancel(reason)
+        t.add_done_callback(functools.partial(self._transfer_ended, sh))
+
+    def _kernel_ids(self, block_ids: list[int]) -> np.ndarray:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if self.ratio > 1:
+            ids = (ids[:, None] * self.ratio + np.arange(self.ratio)).ravel()
+        return ids
+
+    def _transfer_ended(self, sh: _Shipment, t: Transfer) -> None:
+        """The push's done callback, in the thread that ended it (a producer thread, or the launcher)."""
+        if t.error is None:
+            self._end(sh, "done", None)
+        else:
+            self._end_with(sh, t.error)
+
+    def _end_with(self, sh: _Shipment, e: BaseException, *, if_queued: bool = False) -> None:
+        if isinstance(e, CancelledError) or sh.cancel_reason is not None:
+            self._end(sh, "cancelled", sh.cancel_reason or str(e), if_queued=if_queued)
+        elif isinstance(e, KVXferError):
+            self._end(sh, "failed", f"{type(e).__name__}: {e}", if_queued=if_queued)
+        else:
+            self._end(sh, "failed", repr(e), if_queued=if_queued)
+
+    def _end(self, sh: _Shipment, status: str, error: str | None, *, if_queued: bool = False) -> None:
+        o = sh.order
+        with sh.lock:
+            if sh.ended or (if_queued and sh.state != QUEUED):
+                return
+            sh.state, sh.error = status, error
+        dt = time.monotonic() - sh.t0
+        if status == "done":
+            t = sh.transfer
+            log.debug("kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
+                      o.req_id, len(o.block_ids), t.nbytes if t else 0, o.consumer, o.transfer_id, dt)
+        elif status == "cancelled":
+            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, o.consumer, dt, error)
+        else:
+            log.warning("kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s", o.req_id,
+                        o.consumer, o.transfer_id, dt, error)
+        with self._lock:
+            self._ended[o.req_id] = (o.attempt, status, error)
+
+    def _expire_queued(self) -> None:
+        """A shipment still queued at its deadline (its launcher busy connecting elsewhere) fails now."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sh for sh in self._shipments.values() if sh.state == QUEUED and sh.end_by <= now]
+        for sh in late:
+            self._end_with(sh, _unpushed(sh.order), if_queued=True)
+
+    # ---- reporting ---------------------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Report each held request once: after it finished in vLLM and its transfer ended (any outcome)."""
+        self._expire_queued()
+        sending: set[str] = set()
+        with self._lock:
+            for rid in finished_req_ids:
+                if rid in self._delayed:
+                    self._delayed.discard(rid)
+                    self._awaiting.add(rid)
+                elif rid in self._shipments:
+                    self._shipments[rid].forget = True
+            for rid in list(self._awaiting):
+                sh = self._shipments.get(rid)
+                if sh is None or sh.ended:
+                    sending.add(rid)
+                    self._awaiting.discard(rid)
+                    self._shipments.pop(rid, None)
+            for rid, sh in list(self._shipments.items()):
+                if sh.forget and sh.ended:
+                    del self._shipments[rid]
+        return (sending or None), None
+
+    def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
+        with self._lock:
+            if not self._ended:
+                return None
+            ended, self._ended = self._ended, {}
+        return KVXferWorkerMetadata(ended)
+
+    def shutdown(self) -> None:
+        self._close_producer("connector shut down")
+        self._launchers.close()
+
+    def pending(self) -> dict[str, str]:
+        """req -> state of every shipment not yet forgotten (queued, launching, shipping, done, failed, ...)."""
+        with self._lock:
+            return {rid: sh.state for rid, sh in self._shipments.items()}
