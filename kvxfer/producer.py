@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -147,6 +148,29 @@ class Producer(HandleBase):
             s.transfers[t.req] = t
         return s
 
+    def _launch(self, t: Transfer, send: Callable[[_ProducerSession, Transfer], None]) -> Transfer:
+        """Enroll ``t`` in its consumer's session and ``send`` its first message: here when the session is up,
+        else on the worker pool, so ``push`` and ``offer`` never wait for a connection or a handshake."""
+        def run() -> None:
+            if t.done():
+                return
+            try:
+                send(self._enroll(t), t)
+            except KVXferError as e:
+                self._end(t, e)
+
+        with self._lock:
+            s = self._sessions.get(t.address)
+            ready = s is not None and s.alive
+        if ready:
+            run()
+        else:
+            try:
+                self.pool.submit(run)
+            except RuntimeError:  # the pool shut down: the producer closed
+                self._end(t, ClosedError("producer closed"))
+        return t
+
     def push(self, address: str, req: str, block_ids, *, meta: dict | None = None,
              deadline: float | None = None, digests: bool = False, dst_block_ids=None,
              layers=None, senders: int = 1, part: int = 0, retry_busy: bool = False) -> Transfer:
@@ -178,11 +202,7 @@ class Producer(HandleBase):
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         t.retry_busy = retry_busy
         t.senders, t.part = senders, part
-        try:
-            self._admit(self._enroll(t), t)
-        except KVXferError as e:
-            self._end(t, e)
-        return t
+        return self._launch(t, self._admit)
 
     def _admit(self, s: _ProducerSession, t: Transfer) -> None:
         s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids), attempt=t.attempt,
@@ -195,15 +215,15 @@ class Producer(HandleBase):
         producer may then free them) or when the lease runs out (``LeaseExpiredError``)."""
         seconds = self.lease if lease is None else lease
         t = self._start("pull", address, req, block_ids, seconds)
-        try:
-            s = self._enroll(t)
-            t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
-            s.send(wire.Offer(req=t.req, gen=t.gen, ids=wire.ids_to_bytes(t.src_ids), lease_ms=ms(seconds),
-                              meta=dict(meta or {}),
-                              digests=block_digests(self.layout, t.src_ids) if digests else b""))
-        except KVXferError as e:
-            self._end(t, e)
-        return t
+        t.meta = dict(meta or {})
+        t.digests = block_digests(self.layout, t.src_ids) if digests else b""
+        return self._launch(t, self._offer)
+
+    def _offer(self, s: _ProducerSession, t: Transfer) -> None:
+        seconds = max(0.0, t.deadline - time.monotonic())
+        t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
+        s.send(wire.Offer(req=t.req, gen=t.gen, ids=wire.ids_to_bytes(t.src_ids), lease_ms=ms(seconds), meta=t.meta,
+                          digests=t.digests))
 
     # ---- ending -----------------------------------------------------------------------------------------
     def _end(self, t: Transfer, error: KVXferError | None, status: Status | None = None) -> None:
@@ -234,7 +254,7 @@ class Producer(HandleBase):
         for s, t in live:
             if t.deadline <= now:
                 err = LeaseExpiredError if t.kind == "pull" else DeadlineError
-                busy = " (the consumer stayed busy)" if t.retry_at else ""
+                busy = f" (the consumer stayed busy, {t.busy_retries} retries)" if t.busy_retries else ""
                 self._fail(s, t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline "
                                      f"while {t.status.value}{busy}"))
             elif t.retry_at and t.retry_at <= now and not t.done():
@@ -257,6 +277,7 @@ class Producer(HandleBase):
         elif isinstance(msg, wire.Busy):
             if t.retry_busy:  # the reaper asks again; the deadline still bounds it
                 t.retry_at = time.monotonic() + msg.retry_after_ms / 1000
+                t.busy_retries += 1
             else:
                 self._end(t, BusyError(f"consumer {s.address} busy: {msg.reason}", msg.retry_after_ms / 1000))
         elif isinstance(msg, wire.Error):

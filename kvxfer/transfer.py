@@ -62,6 +62,7 @@ class Transfer:
         self._callbacks: list[Callable[[Transfer], Any]] = []
         self.retry_busy = False   # a Busy answer is retried after its retry_after, until the deadline
         self.retry_at = 0.0       # when the next admission attempt goes out (0: none pending)
+        self.busy_retries = 0     # Busy answers retried so far
 
     def __repr__(self) -> str:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"
