@@ -10,15 +10,17 @@ import itertools
 import logging
 import queue
 import socket
+import ssl
 import threading
 import time
 from typing import Callable, Iterable
 
 import numpy as np
 
-from . import handshake, wire
+from . import handshake, tls, wire
 from .allocator import Allocator, FreeList
 from .channel import Channel, parse_address, remaining
+from .sockets import close
 from .digest import mismatches
 from .errors import (AuthError, BusyError, ConfigError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
                      ProtocolError, StaleError, from_code)
@@ -66,6 +68,8 @@ class Consumer(HandleBase):
     ``max_inflight_per_peer`` (admissions of one session), ``max_msgs_per_sec`` (control frames of one
     session, averaged over a one-second burst), ``max_frame`` (control-frame size after the handshake,
     ``wire.MAX_HANDSHAKE_FRAME`` before it) and ``handshake_timeout`` (the whole handshake).
+
+    ``tls`` (a server context, ``kvxfer.tls.server_context``): every control and TCP data connection is TLS.
     """
 
     def __init__(self, layout: KVLayout, *, transport: str = "auto", listen: str = "127.0.0.1:0",
@@ -75,7 +79,8 @@ class Consumer(HandleBase):
                  peer_id: str | None = None, transport_options: dict | None = None, workers: int = 8,
                  max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True,
                  allowed_producers: Iterable[str] | None = None, max_sessions_per_host: int = 64,
-                 max_inflight_per_peer: int | None = None, max_msgs_per_sec: float = 20_000.0):
+                 max_inflight_per_peer: int | None = None, max_msgs_per_sec: float = 20_000.0,
+                 tls: ssl.SSLContext | None = None):
         host, port = parse_address(listen)
         try:
             self.allowed = None if allowed_producers is None else [ipaddress.ip_network(a, strict=False)
@@ -84,6 +89,7 @@ class Consumer(HandleBase):
             raise ConfigError(f"allowed_producers: {e}") from None
         self.max_sessions_per_host = max_sessions_per_host
         self.max_msgs_per_sec = max_msgs_per_sec
+        self.tls = tls
         super().__init__(layout, transport, auth, transport_options, peer_id, workers)
         self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.allocator = allocator or FreeList(layout.num_blocks)
@@ -186,8 +192,15 @@ class Consumer(HandleBase):
                     self._per_host.pop(host, None)
 
     def _serve(self, sock: socket.socket) -> None:
-        ch = Channel(sock, self.max_frame)
         end = time.monotonic() + self.handshake_timeout  # one deadline for the whole handshake
+        if self.tls is not None:
+            try:
+                sock = tls.accept(self.tls, sock, self.handshake_timeout)
+            except KVXferError as e:
+                log.info("kvxfer: TLS handshake failed: %s", e)
+                close(sock)
+                return
+        ch = Channel(sock, self.max_frame)
         try:
             first = ch.recv(self.handshake_timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
             if isinstance(first, wire.DataHello):

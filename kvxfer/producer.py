@@ -6,6 +6,7 @@ consumer to pull under a lease. One control session per consumer address; bytes 
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from typing import Callable
@@ -63,13 +64,17 @@ class Producer(HandleBase):
     """The prefill side: pushes blocks into a consumer's grant, or offers them for the consumer to pull.
 
     ``transport`` is ``"tcp"``, ``"nixl"`` or ``"auto"``; ``deadline`` (seconds) bounds every transfer that
-    does not name its own; ``auth`` is a shared token the consumer must expect.
+    does not name its own; ``auth`` is a shared token the consumer must expect; ``tls`` (a client context,
+    ``kvxfer.tls.client_context``) makes every control and TCP data connection TLS.
     """
 
     def __init__(self, layout: KVLayout, *, transport: str = "auto", auth: str = "", deadline: float = 30.0,
                  lease: float = 30.0, connect_timeout: float = 5.0, peer_id: str | None = None,
-                 transport_options: dict | None = None, workers: int = 8, max_frame: int = wire.MAX_FRAME):
-        super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+                 transport_options: dict | None = None, workers: int = 8, max_frame: int = wire.MAX_FRAME,
+                 tls: ssl.SSLContext | None = None):
+        options = dict(transport_options or {}, **({"tls": tls} if tls is not None else {}))
+        super().__init__(layout, transport, auth, options, peer_id, workers)
+        self.tls = tls
         self.deadline = deadline
         self.lease = lease
         self.connect_timeout = connect_timeout
@@ -100,7 +105,7 @@ class Producer(HandleBase):
 
     def _handshake(self, address: str, timeout: float) -> _ProducerSession:
         parse_address(address)
-        ch = Channel(connect(address, timeout), self.max_frame)
+        ch = Channel(connect(address, timeout, self.tls), self.max_frame)
         try:
             end = time.monotonic() + timeout
             opening, nonce = handshake.hello(self.peer_id)

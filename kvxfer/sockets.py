@@ -9,16 +9,22 @@ is a ``DeadlineError``, a reset, refused or closed connection a ``PeerError``, a
 from __future__ import annotations
 
 import socket
+import ssl
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from .errors import ConfigError, DeadlineError, KVXferError, PeerError, TransportError
+from .errors import AuthError, ConfigError, DeadlineError, KVXferError, PeerError, TransportError
 
 IOV_MAX = 1024
 
 
 def translate(e: OSError, what: str) -> KVXferError:
     """The kvxfer error an OS error means, for a failure while ``what``."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return AuthError(f"{what}: {e.verify_message or e}")
+    if isinstance(e, ssl.SSLError):
+        return PeerError(f"{what}: TLS failed: {e.reason or e}")
     if isinstance(e, socket.timeout):
         return DeadlineError(f"{what}: timed out")
     if isinstance(e, (ConnectionError, EOFError)):
@@ -60,9 +66,10 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def connect(address: str, timeout: float) -> socket.socket:
-    """A connected TCP socket (no Nagle) to ``address`` within ``timeout`` seconds."""
+def connect(address: str, timeout: float, tls: ssl.SSLContext | None = None) -> socket.socket:
+    """A connected TCP socket (no Nagle) to ``address`` within ``timeout`` seconds; TLS with ``tls``."""
     where = parse_address(address)
+    start = time.monotonic()
     try:
         sock = socket.create_connection(where, timeout=timeout)
     except socket.timeout:
@@ -70,7 +77,15 @@ def connect(address: str, timeout: float) -> socket.socket:
     except OSError as e:
         raise PeerError(f"cannot connect to {address}: {e.strerror or e}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+    if tls is None:
+        return sock
+    try:
+        with mapped(f"TLS handshake with {address}"):
+            sock.settimeout(max(0.05, timeout - (time.monotonic() - start)))
+            return tls.wrap_socket(sock, server_hostname=where[0])
+    except KVXferError:
+        close(sock)
+        raise
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -101,6 +116,10 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Gather-send every byte of ``views`` (registered memory), handling partial sends."""
     i, n = 0, len(views)
     with mapped("sending data"):
+        if isinstance(sock, ssl.SSLSocket):  # TLS has no sendmsg: one record stream, piece by piece
+            for v in views:
+                sock.sendall(v)
+            return
         while i < n:
             batch = views[i:i + IOV_MAX]
             i = _advance(views, i, batch, sock.sendmsg(batch))
@@ -110,6 +129,15 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     """Scatter-receive exactly ``sum(len(v))`` bytes into ``views`` (registered memory)."""
     i, n = 0, len(views)
     with mapped("receiving data"):
+        if isinstance(sock, ssl.SSLSocket):  # TLS has no recvmsg_into: fill each piece in turn
+            for v in views:
+                got = 0
+                while got < len(v):
+                    k = sock.recv_into(v[got:])
+                    if k == 0:
+                        raise PeerError("connection closed by peer mid-transfer")
+                    got += k
+            return
         while i < n:
             batch = views[i:i + IOV_MAX]
             got = sock.recvmsg_into(batch)[0]

@@ -14,6 +14,7 @@ windows, ``watchdog`` the thread that stops moves on blocking sockets.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 
 from ... import wire
@@ -31,8 +32,10 @@ __all__ = ["TcpLink", "TcpTransport"]
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, layout, host, *, streams: int = 1, window_min: int = 8 << 20, **_):
+    def __init__(self, layout, host, *, streams: int = 1, window_min: int = 8 << 20,
+                 tls: ssl.SSLContext | None = None, **_):
         super().__init__(layout, host)
+        self.tls = tls  # a producer's client context: its data connections are TLS too
         if any(r.device != HOST for r in layout.regions):
             raise TransportError("the tcp transport moves host memory only; use nixl for device memory")
         self.streams = max(1, int(streams))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -45,6 +46,8 @@ def _wait_readable(sock: socket.socket, check: Callable[[], None]) -> None:
     with mapped("waiting for a reply"):
         if sock.fileno() < 0:
             raise PeerError("connection closed")
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return  # TLS already decrypted the reply: the raw socket may have nothing more to read
         poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
         while not poller.poll(POLL * 1000):
             check()
@@ -66,7 +69,7 @@ class TcpLink(Link):
         threading.Thread(target=fn, args=args, daemon=True, name=f"kvxfer-tcp-{fn.__name__}").start()
 
     def _dial(self, purpose: str) -> Channel:
-        ch = Channel(connect(self.peer.address, 5.0))
+        ch = Channel(connect(self.peer.address, 5.0, self.t.tls))
         ch.send(data_hello(self.peer.session, purpose, self.peer.key))
         return ch
 
