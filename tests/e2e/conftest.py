@@ -119,7 +119,7 @@ def vllm_server(model_dir, logs):
 
 def start_decode(logs: Path, name: str, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.runtime.endpoint", "--http", f"127.0.0.1:{port}",
+    proc = Proc([sys.executable, "-m", "kvxfer.serving.decode", "--http", f"127.0.0.1:{port}",
                  "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
@@ -128,7 +128,7 @@ def start_decode(logs: Path, name: str, *extra: str) -> tuple[Proc, str]:
 
 def start_router(logs: Path, name: str, prefill: str, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
+    proc = Proc([sys.executable, "-m", "kvxfer.serving.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
                  "--digests", *extra], logs / f"{name}.log")
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import KVXferError
 from ..layout import KVLayout
-from .service import Handoff, ReceiveService
+from ..runtime.service import Handoff, ReceiveService
 
 UNCLAIMED_TTL = 60.0  # seconds a hand-off waits for its /v1/generate before its blocks are released
 
@@ -205,7 +205,7 @@ def main(argv=None) -> None:
     host, port = args.http.rsplit(":", 1)
     url = args.public_url or f"http://{args.http}"
     if args.etcd:
-        from ..discovery import register_forever
+        from .discovery import register_forever
 
         register_forever(args.etcd, args.etcd_prefix, url, ep.info)
     print(json.dumps({"http": url, "kvxfer": ep.svc.address}), flush=True)
