@@ -117,19 +117,19 @@ def vllm_server(model_dir, logs):
     proc.kill(signal.SIGTERM)
 
 
-def start_decode(logs: Path, name: str, *extra: str) -> tuple[Proc, str]:
+def start_decode(logs: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc([sys.executable, "-m", "kvxfer.serving.decode", "--http", f"127.0.0.1:{port}",
-                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log")
+                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url
 
 
-def start_router(logs: Path, name: str, prefill: str, *extra: str) -> tuple[Proc, str]:
+def start_router(logs: Path, name: str, prefill: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc([sys.executable, "-m", "kvxfer.serving.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
-                 "--digests", *extra], logs / f"{name}.log")
+                 "--digests", *extra], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url
