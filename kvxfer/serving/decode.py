@@ -247,7 +247,8 @@ def main(argv=None) -> None:
         register_forever(args.etcd, args.etcd_prefix, url, ep.info)
     print(json.dumps({"http": url, "kvxfer": ep.svc.address}), flush=True)
     try:
-        uvicorn.run(build_app(ep, resolve(args.token, DECODE_TOKEN_ENV)), host=host, port=int(port), log_level="warning")
+        app = build_app(ep, resolve(args.token, DECODE_TOKEN_ENV))
+        uvicorn.run(app, host=host, port=int(port), log_level="warning")
     finally:
         ep.close()
 

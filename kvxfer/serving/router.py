@@ -286,7 +286,8 @@ class Router:
                         first = False
                 except Exception as e:  # noqa: BLE001 - end the client's stream with an error event, never hang
                     self.errors.labels("decode").inc()
-                    yield f"data: {json.dumps({'error': {'message': f'decode failed: {e}', 'type': 'decode_error'}})}\n\n"
+                    error = {"error": {"message": f"decode failed: {e}", "type": "decode_error"}}
+                    yield f"data: {json.dumps(error)}\n\n"
                 finally:
                     held.end()
                     await close()
