@@ -31,7 +31,9 @@ def ttft(url: str, body: dict, headers: dict) -> float:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+            # the first chunk that carries a token (its text may be empty: the tiny random model samples
+            # tokens that detokenize to nothing)
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:]).get("choices"):
                 return time.perf_counter() - start
     raise RuntimeError("no token")
 

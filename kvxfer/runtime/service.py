@@ -118,6 +118,20 @@ class ReceiveService:
         and a tombstone refuses late transfers for it."""
         return self.consumer.cancel(req, reason)
 
+    def state(self, req: str) -> str | None:
+        """Where ``req`` stands in the consumer's ledger, so a runtime waiting for it can give up at once:
+        ``"receiving"`` (admitted), ``"ready"`` (handed over, not yet released), ``"failed"`` (failed or
+        cancelled after admission; remembered for the consumer's ``tombstone_ttl``), or ``None`` (never admitted,
+        refused, or released). Read without the consumer's lock: a slot between two states may read ``None``."""
+        grants = self.consumer.grants
+        if req in grants.active:
+            return "receiving"
+        if req in grants.handed:
+            return "ready"
+        if req in grants.tombstones:
+            return "failed"
+        return None
+
     def stats(self) -> dict[str, int]:
         return dict(self.consumer.stats(), pending=self._ready.qsize())
 

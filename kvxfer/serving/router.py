@@ -6,6 +6,11 @@ in ``kv_transfer_params["kvxfer"]``; the KVXferConnector ships the request's KV 
 the request to that decode endpoint (first token id, remaining budget, sampling parameters) and streams its
 tokens back in OpenAI format. Every other request is proxied unchanged to the regular pool. Built on
 Starlette (ASGI, served by uvicorn) and an ``httpx.AsyncClient``; metrics through ``prometheus_client``.
+
+A transfer that will not complete is acted on at once, never after the decode timeout: the connector's status
+in the prefill answer (``kv_transfer_params["kvxfer"]["status"]`` other than ``sending`` / ``done``), or the
+decode endpoint's answer that it failed, or was not admitted within ``--admit-timeout`` of the prefill's answer.
+The request then goes to the regular pool (``--when-transfer-fails fallback``) or gets 502 with an error body.
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .auth import DECODE_TOKEN_ENV, ROUTER_TOKEN_ENV, authorized, bearer, guarded, resolve
+
 log = logging.getLogger("kvxfer.router")
 
 ROUTE_HEADER = "x-kvxfer-route"
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                "proxy-authorization", "proxy-authenticate", "trailer", ROUTE_HEADER}
+SHIPPING = ("sending", "done")  # the connector's statuses under which the KV is on its way or has arrived
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty")
 
 
@@ -35,13 +43,27 @@ class Endpoint:
     free_blocks: int = 0
 
 
+class _Held:
+    """A decode endpoint's in-flight count for one request, given back exactly once."""
+
+    def __init__(self, ep: Endpoint):
+        self.ep, self.open, self.streaming = ep, True, False
+        ep.inflight += 1
+
+    def end(self) -> None:
+        if self.open:
+            self.open = False
+            self.ep.inflight -= 1
+
+
 class DecodePool:
     """The decode endpoints: a static list, or discovered in etcd; health-checked through ``/info``."""
 
     def __init__(self, urls: list[str], etcd: str | None = None, prefix: str = "/kvxfer/decode/",
-                 interval: float = 1.0):
+                 interval: float = 1.0, token: str = ""):
         self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in urls}
         self.etcd, self.prefix, self.interval = etcd, prefix, interval
+        self.headers = bearer(token)  # sent with every request to a decode endpoint
 
     async def refresh(self, client) -> None:
         if self.etcd:
@@ -60,7 +82,9 @@ class DecodePool:
 
     async def _probe(self, client, ep: Endpoint) -> None:
         try:
-            r = await client.get(f"{ep.url}/info", timeout=1.0)
+            r = await client.get(f"{ep.url}/info", headers=self.headers, timeout=1.0)
+            if r.status_code == 401 and ep.alive:
+                log.warning("decode endpoint %s refuses the router's token", ep.url)
             info = r.json()
             ep.kvxfer, ep.free_blocks, ep.alive = info["kvxfer"], int(info.get("free_blocks", 0)), True
         except Exception:  # noqa: BLE001 - unreachable or garbage: not a candidate until it answers again
@@ -77,19 +101,22 @@ class DecodePool:
 
 class Router:
     def __init__(self, prefill: str, regular: str | None, pool: DecodePool, *, policy: str = "header",
-                 alias: str | None = None, when_busy: str = "reject", prefill_timeout: float = 120.0,
-                 decode_timeout: float = 60.0, digests: bool = False):
+                 alias: str | None = None, when_busy: str = "reject", when_failed: str = "error",
+                 prefill_timeout: float = 120.0, decode_timeout: float = 60.0, admit_timeout: float = 1.0,
+                 digests: bool = False, admin_token: str = ""):
         import httpx
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.prefill = prefill.rstrip("/")
         self.regular = (regular or prefill).rstrip("/")
         self.pool = pool
-        self.policy, self.alias, self.when_busy = policy, alias, when_busy
-        self.prefill_timeout, self.decode_timeout = prefill_timeout, decode_timeout
+        self.policy, self.alias, self.when_busy, self.when_failed = policy, alias, when_busy, when_failed
+        self.prefill_timeout, self.decode_timeout, self.admit_timeout = prefill_timeout, decode_timeout, admit_timeout
         self.digests = digests
+        self.admin_token = admin_token
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(prefill_timeout, connect=5.0),
                                         limits=httpx.Limits(max_connections=1000))
+        self._background: set[asyncio.Task] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter("kvxfer_router_requests", "Requests by route", ["route"], registry=self.registry)
         self.errors = Counter("kvxfer_router_errors", "Failed requests by stage", ["stage"], registry=self.registry)
@@ -126,7 +153,8 @@ class Router:
     async def _reserve(self, tokens: int) -> Endpoint | None:
         for ep in self.pool.candidates():
             try:
-                r = await self.client.post(f"{ep.url}/v1/reserve", json={"tokens": tokens}, timeout=2.0)
+                r = await self.client.post(f"{ep.url}/v1/reserve", json={"tokens": tokens}, headers=self.pool.headers,
+                                           timeout=2.0)
             except Exception:  # noqa: BLE001 - dead since the last probe: skip it
                 ep.alive = False
                 continue
@@ -152,16 +180,28 @@ class Router:
                 return await self.proxy(request, path, content)
             return _error(429, "every decode endpoint is busy", "busy", {"Retry-After": "1"})
         self.requests.labels("low_latency").inc()
-        ep.inflight += 1
+        held = _Held(ep)
         try:
-            return await self._low_latency(path, body, chat, budget, ep)
-        except BaseException:
-            ep.inflight -= 1
-            raise
+            return await self._low_latency(request, path, content, body, chat, budget, held)
+        finally:
+            if not held.streaming:
+                held.end()
 
-    async def _low_latency(self, path: str, body: dict, chat: bool, budget: int, ep: Endpoint):
+    async def _transfer_failed(self, request, path: str, content: bytes, message: str):
+        """The KV will not reach the decode endpoint: the regular pool serves the request, or the client gets
+        502 at once (never the decode timeout)."""
+        self.errors.labels("transfer").inc()
+        log.warning("low-latency route failed: %s", message)
+        if self.when_failed == "fallback":
+            return await self.proxy(request, path, content)
+        return _error(502, message, "kv_transfer_error")
+
+    async def _low_latency(self, request, path: str, content: bytes, body: dict, chat: bool, budget: int,
+                           held: "_Held"):
+        import httpx
         from starlette.responses import JSONResponse, StreamingResponse
 
+        ep = held.ep
         rid = f"kvx-{uuid.uuid4().hex}"
         start = time.monotonic()
         pre = dict(body, stream=False, max_tokens=1, return_token_ids=True)
@@ -175,47 +215,67 @@ class Router:
         pre.pop("stream_options", None)
         try:
             r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
-        except Exception as e:  # noqa: BLE001
-            ep.inflight -= 1
+        except httpx.HTTPError as e:
             self.errors.labels("prefill").inc()
             return _error(502, f"prefill unreachable: {e}", "upstream_error")
         if r.status_code != 200:
-            ep.inflight -= 1
             self.errors.labels("prefill").inc()
             return JSONResponse(_json_or(r), status_code=r.status_code)
         pj = r.json()
+        shipped = (pj.get("kv_transfer_params") or {}).get("kvxfer") or {}
+        status = shipped.get("status")
+        if status not in SHIPPING:
+            why = f"status {status!r}: {shipped.get('error') or 'no reason given'}" if status else "no status"
+            return await self._transfer_failed(request, path, content,
+                                               f"the KV transfer to {ep.url} did not happen ({why})")
         choice = pj["choices"][0]
         first_id = (choice.get("token_ids") or [None])[0]
         first_text = choice["message"].get("content", "") if chat else choice.get("text", "")
-        self.ttft.labels("low_latency").observe(time.monotonic() - start)
         remaining = budget - 1 if choice.get("finish_reason") == "length" and first_id is not None else 0
         gen = {"req": rid, "first_token": first_id if first_id is not None else 0, "max_tokens": remaining,
-               "stream": True, "timeout": self.decode_timeout,
+               "stream": True, "timeout": self.decode_timeout, "admit_timeout": self.admit_timeout,
                "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body}}
         base = {"id": pj.get("id", rid), "created": pj.get("created", int(time.time())), "model": pj.get("model"),
                 "kv_transfer_params": pj.get("kv_transfer_params")}
+        resp = None
+        if remaining:
+            # wait for the decode endpoint to hold the KV before the first byte to the client, so a failed
+            # transfer can still fall back or answer with an error status
+            try:
+                resp = await self.client.send(self.client.build_request(
+                    "POST", f"{ep.url}/v1/generate", json=gen, headers=self.pool.headers,
+                    timeout=self.decode_timeout), stream=True)
+            except httpx.HTTPError as e:
+                return await self._transfer_failed(request, path, content, f"decode endpoint {ep.url}: {e}")
+            if resp.status_code != 200:
+                detail = (await resp.aread())[:300].decode(errors="replace")
+                await resp.aclose()
+                return await self._transfer_failed(request, path, content, f"decode endpoint {ep.url} answered "
+                                                                           f"{resp.status_code}: {detail}")
+        elif first_id is not None:  # the prefill's answer is all of it; the hand-off only has to be given back
+            self._spawn(self._discard(ep, dict(gen, stream=False)))
+        self.ttft.labels("low_latency").observe(time.monotonic() - start)
 
         async def tokens():
             """(text, finish_reason) pieces: the prefill's first token, then the decode endpoint's."""
             yield first_text, None if remaining else (choice.get("finish_reason") or "length")
-            if not remaining and not first_id:
+            if resp is None:
                 return
-            async with self.client.stream("POST", f"{ep.url}/v1/generate", json=gen,
-                                          timeout=self.decode_timeout) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"decode endpoint answered {resp.status_code}: {(await resp.aread())[:200]!r}")
-                sent = 0
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    ev = json.loads(line[6:])
-                    if ev.get("done"):
-                        break
-                    sent += 1
-                    if remaining:
-                        yield ev["text"], "length" if sent == remaining else None
-                if sent < remaining:
-                    raise RuntimeError(f"decode stream ended after {sent} of {remaining} tokens")
+            sent = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("done"):
+                    break
+                sent += 1
+                yield ev["text"], "length" if sent == remaining else None
+            if sent < remaining:
+                raise RuntimeError(f"decode stream ended after {sent} of {remaining} tokens")
+
+        async def close():
+            if resp is not None:
+                await resp.aclose()
 
         if body.get("stream"):
             async def sse():
@@ -226,11 +286,14 @@ class Router:
                         first = False
                 except Exception as e:  # noqa: BLE001 - end the client's stream with an error event, never hang
                     self.errors.labels("decode").inc()
-                    yield f"data: {json.dumps({'error': {'message': f'decode failed: {e}', 'type': 'decode_error'}})}\n\n"
+                    error = {"error": {"message": f"decode failed: {e}", "type": "decode_error"}}
+                    yield f"data: {json.dumps(error)}\n\n"
                 finally:
-                    ep.inflight -= 1
+                    held.end()
+                    await close()
                 yield "data: [DONE]\n\n"
 
+            held.streaming = True
             return StreamingResponse(sse(), media_type="text/event-stream")
         pieces, finish = [], "length"
         try:
@@ -241,8 +304,23 @@ class Router:
             self.errors.labels("decode").inc()
             return _error(502, f"decode failed: {e}", "decode_error")
         finally:
-            ep.inflight -= 1
+            await close()
         return JSONResponse(_full(base, chat, "".join(pieces), finish, len(pieces), pj.get("usage", {})))
+
+    async def _discard(self, ep: Endpoint, gen: dict) -> None:
+        """Claim and give back a hand-off nobody decodes (its blocks would otherwise wait out the endpoint's TTL)."""
+        import httpx
+
+        try:
+            await self.client.post(f"{ep.url}/v1/generate", json=gen, headers=self.pool.headers,
+                                   timeout=self.decode_timeout)
+        except httpx.HTTPError as e:
+            log.info("giving back %s on %s failed: %s", gen["req"], ep.url, e)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- app --------------------------------------------------------------------------------------------------
     def app(self):
@@ -267,9 +345,11 @@ class Router:
         async def chat(request):
             return await self.serve(request, "/v1/chat/completions")
 
-        async def health(_):
-            alive = [e.url for e in self.pool.candidates()]
-            return JSONResponse({"ok": True, "decode_endpoints": alive})
+        async def health(request):
+            """Liveness for anyone; the decode pool only for holders of the admin token."""
+            if not authorized(request.headers, self.admin_token):
+                return JSONResponse({"ok": True})
+            return JSONResponse({"ok": True, "decode_endpoints": [e.url for e in self.pool.candidates()]})
 
         async def metrics(_):
             return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
@@ -279,7 +359,7 @@ class Router:
 
         return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
                                  Route("/v1/chat/completions", chat, methods=["POST"]),
-                                 Route("/health", health), Route("/metrics", metrics),
+                                 Route("/health", health), Route("/metrics", guarded(metrics, self.admin_token)),
                                  Route("/v1/models", passthrough)], lifespan=lifespan)
 
 
@@ -339,16 +419,27 @@ def main(argv=None) -> None:
     ap.add_argument("--alias", help="a model name that selects the low-latency route")
     ap.add_argument("--when-busy", choices=["reject", "fallback"], default="reject",
                     help="all decode endpoints busy: 429 with Retry-After, or the regular pool")
+    ap.add_argument("--when-transfer-fails", choices=["error", "fallback"], default="error",
+                    help="the KV transfer failed or was refused: 502 with an error body, or the regular pool")
     ap.add_argument("--prefill-timeout", type=float, default=120.0)
     ap.add_argument("--decode-timeout", type=float, default=60.0)
+    ap.add_argument("--admit-timeout", type=float, default=1.0,
+                    help="seconds after the prefill answered within which the decode endpoint must have admitted "
+                         "the KV transfer; later counts as failed")
     ap.add_argument("--digests", action="store_true", help="ask the connector for per-block integrity digests")
+    ap.add_argument("--decode-token", help=f"bearer token of the decode endpoints (default: ${DECODE_TOKEN_ENV})")
+    ap.add_argument("--admin-token", help=f"bearer token for /metrics and the pool in /health (default: "
+                                          f"${ROUTER_TOKEN_ENV}; none: open)")
     args = ap.parse_args(argv)
     import uvicorn
 
-    pool = DecodePool(args.decode, etcd=args.etcd, prefix=args.etcd_prefix)
+    pool = DecodePool(args.decode, etcd=args.etcd, prefix=args.etcd_prefix,
+                      token=resolve(args.decode_token, DECODE_TOKEN_ENV))
     router = Router(args.prefill, args.regular, pool, policy=args.policy, alias=args.alias,
-                    when_busy=args.when_busy, prefill_timeout=args.prefill_timeout,
-                    decode_timeout=args.decode_timeout, digests=args.digests)
+                    when_busy=args.when_busy, when_failed=args.when_transfer_fails,
+                    prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
+                    admit_timeout=args.admit_timeout, digests=args.digests,
+                    admin_token=resolve(args.admin_token, ROUTER_TOKEN_ENV))
     host, port = args.listen.rsplit(":", 1)
     uvicorn.run(router.app(), host=host, port=int(port), log_level="warning")
 

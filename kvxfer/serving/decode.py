@@ -6,13 +6,17 @@ checksum of the received KV, so the whole disaggregated path can be tested and d
 A real decode runtime replaces ``generate`` with its model: it takes the same ``Handoff`` (block ids, token
 count, first token, sampling) and decodes from the blocks.
 
-HTTP API (Starlette, served by uvicorn):
+HTTP API (Starlette, served by uvicorn); with a token (``--token`` or ``KVXFER_DECODE_TOKEN``) every route but
+``/health`` wants ``Authorization: Bearer <token>`` and answers 401 without it:
   GET  /health             200 while serving
   GET  /info               {"kvxfer": address, "transport", "free_blocks", "inflight", "handed", "layers", ...}
   GET  /metrics            Prometheus text (the service's own registry)
   POST /v1/reserve         {"tokens": n} -> 200, or 429 + Retry-After when it could not take n tokens now
-  POST /v1/generate        {"req", "first_token", "max_tokens", "stream", "timeout"} -> SSE of
-                           {"index", "token_id", "text"} events, then {"done": true, "kv": {...}}
+  POST /v1/generate        {"req", "first_token", "max_tokens", "stream", "timeout", "admit_timeout"} -> SSE of
+                           {"index", "token_id", "text"} events, then {"done": true, "kv": {...}};
+                           502 when the transfer failed after admission, 504 when it was not admitted within
+                           ``admit_timeout`` seconds (refused, or its producer never reached us) or did not
+                           arrive within ``timeout``: the caller learns at once, not after ``timeout``
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import threading
 import time
 import zlib
 
-import numpy as np
-
-from ..errors import KVXferError
+from ..errors import KVXferError, PeerError, TimeoutError
 from ..layout import KVLayout
-from .service import Handoff, ReceiveService
+from ..runtime.service import Handoff, ReceiveService
+from .auth import DECODE_TOKEN_ENV, guarded, resolve
 
 UNCLAIMED_TTL = 60.0  # seconds a hand-off waits for its /v1/generate before its blocks are released
+POLL = 0.05  # seconds between looks at the consumer's ledger while a /v1/generate waits for its KV
 
 
 def make_cache(layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int, dtype: str = "bfloat16"):
@@ -52,6 +56,7 @@ class DecodeEndpoint:
         self.vocab = vocab
         self._cond = threading.Condition()
         self._ready: dict[str, tuple[Handoff, float]] = {}
+        self._abandoned: dict[str, float] = {}  # req -> when its caller gave up; a late arrival is released
         self.svc = ReceiveService(self.layout, transport=transport, listen=listen, max_inflight=max_inflight,
                                   reserve_blocks=reserve_blocks, deadline=deadline, on_ready=self._on_ready,
                                   **options)
@@ -63,8 +68,11 @@ class DecodeEndpoint:
 
     def _on_ready(self, h: Handoff) -> None:
         with self._cond:
-            self._ready[h.req] = (h, time.monotonic())
-            self._cond.notify_all()
+            if h.req not in self._abandoned:
+                self._ready[h.req] = (h, time.monotonic())
+                self._cond.notify_all()
+                return
+        self.svc.release(h.req)  # its caller gave up on it: nobody will claim these blocks
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(1.0):
@@ -73,23 +81,44 @@ class DecodeEndpoint:
                 stale = [r for r, (_, t) in self._ready.items() if now - t > UNCLAIMED_TTL]
                 for r in stale:
                     del self._ready[r]
+                self._abandoned = {r: t for r, t in self._abandoned.items() if now - t <= UNCLAIMED_TTL}
             for r in stale:
                 self.svc.release(r)
 
-    def claim(self, req: str, timeout: float) -> Handoff:
-        """Wait for ``req``'s KV; ``KVXferError`` (timeout) if it does not arrive in time."""
-        end = time.monotonic() + timeout
+    def claim(self, req: str, timeout: float, admit_timeout: float | None = None) -> Handoff:
+        """Wait for ``req``'s KV. ``PeerError`` as soon as its transfer fails here after admission;
+        ``TimeoutError`` if it is not admitted within ``admit_timeout`` (refused, or no producer reached us) or
+        has not arrived within ``timeout``. A request given up on is cancelled and released if it lands later."""
+        now = time.monotonic()
+        end = now + timeout
+        admit_by = now + admit_timeout if admit_timeout is not None else None
+        seen, gone = False, 0
         with self._cond:
             while req not in self._ready:
-                left = end - time.monotonic()
-                if left <= 0:
-                    from ..errors import TimeoutError
-
-                    raise TimeoutError(f"KV of request {req!r} did not arrive within {timeout}s")
-                self._cond.wait(left)
-            h = self._ready.pop(req)[0]
-        self.verified += h.verified
-        return h
+                now = time.monotonic()
+                state = self.svc.state(req)
+                gone = gone + 1 if seen and state is None else 0
+                seen = seen or state is not None
+                if state == "failed" or gone >= 2:  # twice: a slot moving between states reads None once
+                    error: KVXferError = PeerError(f"the KV transfer of request {req!r} failed here (cancelled, "
+                                                   "past its deadline, corrupt, or its producer went away)")
+                elif not seen and admit_by is not None and now >= admit_by:
+                    error = TimeoutError(f"no producer started sending request {req!r} within {admit_timeout}s "
+                                         "(admission refused, or the transfer failed before reaching us)")
+                elif now >= end:
+                    error = TimeoutError(f"KV of request {req!r} did not arrive within {timeout}s")
+                else:
+                    self._cond.wait(min(end - now, POLL))
+                    continue
+                self._abandoned[req] = now
+                break
+            else:
+                h = self._ready.pop(req)[0]
+                self.verified += h.verified
+                return h
+        if state == "receiving":
+            self.svc.cancel(req, "the decode request waiting for it gave up")
+        raise error
 
     def checksum(self, h: Handoff) -> int:
         """CRC of the received blocks of every layer: the deterministic tokens depend on the KV itself."""
@@ -119,14 +148,16 @@ class DecodeEndpoint:
         fp = self.layout.fingerprint
         return {"kvxfer": self.svc.address, "transport": self.svc.transport, "free_blocks": self.svc.blocks.num_free,
                 "inflight": s["inflight"], "handed": s["handed"], "completed": s["completed"], "failed": s["failed"],
-                "generated": self.generated, "verified": self.verified, "layers": fp.num_layers, "block_size": fp.block_size, "dtype": fp.dtype}
+                "rejected": s["rejected"], "generated": self.generated, "verified": self.verified,
+                "layers": fp.num_layers, "block_size": fp.block_size, "dtype": fp.dtype}
 
     def close(self) -> None:
         self._stop.set()
         self.svc.close()
 
 
-def build_app(ep: DecodeEndpoint):
+def build_app(ep: DecodeEndpoint, token: str = ""):
+    """The HTTP API; with ``token`` every route but ``/health`` answers 401 to a request that lacks it."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -150,10 +181,13 @@ def build_app(ep: DecodeEndpoint):
         body = await request.json()
         req, first = str(body["req"]), int(body["first_token"])
         count = max(int(body.get("max_tokens", 16)), 0)
+        admit = body.get("admit_timeout")
         try:
-            h = await asyncio.to_thread(ep.claim, req, float(body.get("timeout", 30.0)))
+            h = await asyncio.to_thread(ep.claim, req, float(body.get("timeout", 30.0)),
+                                        None if admit is None else float(admit))
         except KVXferError as e:
-            return JSONResponse({"error": {"code": e.code, "message": str(e)}}, status_code=504)
+            return JSONResponse({"error": {"code": e.code, "message": str(e)}},
+                                status_code=504 if isinstance(e, TimeoutError) else 502)
         toks = ep.tokens(h, first, count)
         kv = {"blocks": len(h.block_ids), "num_tokens": h.num_tokens, "bytes": h.nbytes,
               "verified": h.verified, "transfer_s": round(h.seconds, 6)}
@@ -174,9 +208,10 @@ def build_app(ep: DecodeEndpoint):
         ep.generated += len(toks)
         return JSONResponse({"token_ids": toks, "text": "".join(f" w{t}" for t in toks), "kv": kv})
 
-    return Starlette(routes=[Route("/health", health), Route("/info", info), Route("/metrics", metrics),
-                             Route("/v1/reserve", reserve, methods=["POST"]),
-                             Route("/v1/generate", generate, methods=["POST"])])
+    return Starlette(routes=[Route("/health", health), Route("/info", guarded(info, token)),
+                             Route("/metrics", guarded(metrics, token)),
+                             Route("/v1/reserve", guarded(reserve, token), methods=["POST"]),
+                             Route("/v1/generate", guarded(generate, token), methods=["POST"])])
 
 
 def main(argv=None) -> None:
@@ -196,6 +231,8 @@ def main(argv=None) -> None:
     ap.add_argument("--etcd", help="host:port of etcd to register this endpoint in (lease-bound)")
     ap.add_argument("--etcd-prefix", default="/kvxfer/decode/")
     ap.add_argument("--public-url", help="the HTTP URL the router should use (default http://<--http>)")
+    ap.add_argument("--token", help=f"bearer token every route but /health wants (default: ${DECODE_TOKEN_ENV}; "
+                                    "none: open to anyone who can reach it)")
     args = ap.parse_args(argv)
     import uvicorn
 
@@ -205,12 +242,13 @@ def main(argv=None) -> None:
     host, port = args.http.rsplit(":", 1)
     url = args.public_url or f"http://{args.http}"
     if args.etcd:
-        from ..discovery import register_forever
+        from .discovery import register_forever
 
         register_forever(args.etcd, args.etcd_prefix, url, ep.info)
     print(json.dumps({"http": url, "kvxfer": ep.svc.address}), flush=True)
     try:
-        uvicorn.run(build_app(ep), host=host, port=int(port), log_level="warning")
+        app = build_app(ep, resolve(args.token, DECODE_TOKEN_ENV))
+        uvicorn.run(app, host=host, port=int(port), log_level="warning")
     finally:
         ep.close()
 
