@@ -132,6 +132,11 @@ class Consumer(HandleBase):
         self._tell_members(slot, lambda gen: wire.Cancel(req=req, gen=gen, reason=reason))
         return True
 
+    def state(self, req: str) -> str | None:
+        """Where ``req`` stands (``Grants.phase``): ``"receiving"``, ``"ready"``, ``"failed"`` or ``None``, so
+        a runtime waiting for it can give up at once."""
+        return self.grants.phase(req)
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self.counters, **self.grants.counts(), sessions=len(self._sessions),

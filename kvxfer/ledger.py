@@ -423,6 +423,18 @@ class Grants:
         return {"inflight": len(self.active), "handed": len(self.handed), "dying": len(self.dying)}
 
     @_locked
+    def phase(self, req: str) -> str | None:
+        """Where ``req`` stands: ``"receiving"`` (admitted), ``"ready"`` (handed off, not yet released),
+        ``"failed"`` (failed or cancelled, remembered for ``tombstone_ttl``), or ``None``."""
+        if req in self.active:
+            return "receiving"
+        if req in self.handed:
+            return "ready"
+        if self.tombstones.get(req, 0.0) > 0:
+            return "failed"
+        return None
+
+    @_locked
     def get(self, req: str) -> Slot | None:
         """The active slot of ``req``, if any."""
         return self.active.get(req)

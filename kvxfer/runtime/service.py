@@ -122,15 +122,8 @@ class ReceiveService:
         """Where ``req`` stands in the consumer's ledger, so a runtime waiting for it can give up at once:
         ``"receiving"`` (admitted), ``"ready"`` (handed over, not yet released), ``"failed"`` (failed or
         cancelled after admission; remembered for the consumer's ``tombstone_ttl``), or ``None`` (never admitted,
-        refused, or released). Read without the consumer's lock: a slot between two states may read ``None``."""
-        grants = self.consumer.grants
-        if req in grants.active:
-            return "receiving"
-        if req in grants.handed:
-            return "ready"
-        if req in grants.tombstones:
-            return "failed"
-        return None
+        refused, or released)."""
+        return self.consumer.state(req)
 
     def stats(self) -> dict[str, int]:
         return dict(self.consumer.stats(), pending=self._ready.qsize())
