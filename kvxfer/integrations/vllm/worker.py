@@ -2,10 +2,10 @@
 start a push for each ship order after the forward pass, and report each held request exactly once.
 
 No thread waits for a transfer: each push is a future whose done callback (run by the producer's thread that ends
-it) records the outcome. A few launcher threads start the pushes, because starting one may block: on CUDA it waits
-for the forward pass's event (the KV writes must land before a byte is read), and the first push to a consumer
-connects and handshakes (bounded by ``connect_timeout``). Shipments are handed to them grouped by consumer and step,
-so a consumer that hangs in its handshake delays only its own group.
+it) records the outcome, and ``Producer.push`` never waits for a connection (a new consumer's handshake runs on the
+producer's pool). Host-memory caches start their pushes right in ``wait_for_save``; a CUDA cache hands them to a
+few launcher threads, which wait for the forward pass's event (the KV writes must land before a byte is read).
+Shipments go to the launchers grouped by consumer and step.
 """
 
 from __future__ import annotations
@@ -206,6 +206,9 @@ class KVXferWorker:
         for sh in queued:
             groups.setdefault(sh.order.consumer, []).append(sh)
         for group in groups.values():
+            if event is None:  # host memory: the forward pass's writes are done, and a push never blocks
+                self._launch(None, group)
+                continue
             try:
                 self._launchers.submit(event, group)
             except ClosedError:
