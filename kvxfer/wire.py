@@ -282,6 +282,8 @@ def frame_length(header: bytes, max_frame: int = MAX_FRAME) -> int:
         raise ProtocolError("truncated frame header")
     (n,) = _LEN.unpack(header)
     if n == 0 or n > max_frame:
+        if bytes(header) == b"HTTP":
+            raise ProtocolError("the peer answered in HTTP: that address is not a kvxfer endpoint")
         raise ProtocolError(f"frame of {n} bytes refused (limit {max_frame})")
     return n
 
