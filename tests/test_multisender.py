@@ -8,7 +8,7 @@ import pytest
 from conformance.kvspec import Spec, as_bytes
 from conformance.peers import wait_for
 from kvxfer.runtime import handoff_meta
-from runtime_peers import RemoteError
+from procs import RemoteError
 from test_runtime import SPEC, service, senders, _shared  # noqa: F401 - shared fixtures
 
 CROSS = Spec(kind="cross_layer", num_blocks=64, layers=4, heads=2, block_size=4, head_dim=8)

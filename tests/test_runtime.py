@@ -10,7 +10,8 @@ from conformance.kvspec import Spec, block_bytes, untouched
 from conformance.peers import wait_for
 from kvxfer import KVLayout
 from kvxfer.runtime import Handoff, PagedPool, ReceiveService, handoff_meta
-from runtime_peers import RemoteError, Sender
+from conformance.peers import ProducerProcess as Sender
+from procs import RemoteError
 
 SPEC = Spec(kind="nhd", num_blocks=64, layers=4, heads=2, block_size=4, head_dim=8)
 SENTINEL = 0xAB
@@ -133,7 +134,7 @@ def test_busy_then_retry(service, senders):
         p2.push(svc.address, "b", np.arange(20))
     assert e.value.kind == "BusyError"
     assert svc.metric("requests_rejected_total") == 1
-    p2.push(svc.address, "b", np.arange(20), wait=False, retry=True)  # retries every retry_after
+    p2.push(svc.address, "b", np.arange(20), wait=False, retry_busy=True)  # retries every retry_after
     time.sleep(0.35)
     svc.release(first.req)
     done = p2.call("wait", "b", 10)

@@ -13,35 +13,58 @@ from .kvspec import Spec
 
 
 def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
-    from kvxfer import Producer
+    import threading
+
+    from kvxfer import Producer, wire
 
     tensors, kw, _, _ = spec.build(seed=seed)
     producer = Producer(spec.layout(tensors, kw), transport=transport, **options)
+    gate = threading.Event()
+    gate.set()
+    move = producer._move
+
+    def held_move(s, t):  # fault injection ("hold"): a granted push waits here before moving a byte
+        gate.wait(60)
+        move(s, t)
+
+    producer._move = held_move
+    inflight = {}
 
     def start(kind, address, req, ids, kwargs, wait):
-        t = getattr(producer, kind)(address, req, np.asarray(ids), **kwargs)
+        t = inflight[req] = getattr(producer, kind)(address, req, np.asarray(ids), **kwargs)
         return _summary(t.wait()) if wait else None
 
+    def wait(req, timeout):
+        return _summary(inflight[req].wait(timeout))
+
+    def redone(address, req):  # a duplicate Done for a transfer that already completed
+        t = inflight[req]
+        producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
+
     try:
-        serve(conn, None, {"push": lambda *a: start("push", *a), "offer": lambda *a: start("offer", *a)})
+        serve(conn, None, {"push": lambda *a: start("push", *a), "offer": lambda *a: start("offer", *a),
+                           "wait": wait, "hold": gate.clear, "go": gate.set, "redone": redone})
     finally:
         producer.close()
 
 
 def _summary(t) -> dict:
-    return {"status": t.status.value, "nbytes": t.nbytes, "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(),
-            "descriptors": t.descriptors}
+    return {"status": t.status.value, "nbytes": t.nbytes, "gen": t.gen,
+            "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(), "descriptors": t.descriptors}
 
 
 PeerError = RemoteError  # what the conformance tests catch: an exception raised in the peer process
 
 
 class ProducerProcess(PipedProcess):
-    """A kvxfer Producer in its own process, filled with seeded random bytes."""
+    """A kvxfer Producer in its own process, filled with seeded random bytes. Beside push and offer it answers
+    ``call("wait", req, timeout)``, ``call("hold")`` / ``call("go")`` (granted pushes wait before moving a byte)
+    and ``call("redone", address, req)`` (a duplicate Done)."""
 
     what = "producer process"
 
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
+        self.spec, self.seed = spec, seed
         super().__init__(_producer_main, spec, transport, seed, options)
 
     def push(self, address, req, ids, wait=True, **kwargs):
