@@ -27,6 +27,8 @@ from .transports.base import Peer, Transport
 
 log = logging.getLogger("kvxfer")
 
+VERDICT_WAIT = 0.25  # how long a broken data connection waits for the control connection to say why
+
 
 class _ProducerSession:
     def __init__(self, owner: "Producer", address: str, ch: Channel, peer: Peer, transport: Transport, link,
@@ -313,6 +315,8 @@ class Producer(HandleBase):
     def _move(self, s: _ProducerSession, t: Transfer) -> None:
         if t.done():  # cancelled, superseded or timed out before its turn: not a byte moves
             return
+        if time.monotonic() >= t.deadline:  # a grant handled late (a stopped producer): its blocks may be gone
+            return self._fail(s, t, DeadlineError(f"push of {t.req!r} granted after its deadline"))
         dst = t.dst_ids if t.override is None else t.override
         try:
             if s.transport.one_sided and not np.array_equal(dst, t.dst_ids):
@@ -324,6 +328,10 @@ class Producer(HandleBase):
             else:
                 moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, layers=t.layers)
         except KVXferError as e:
+            if isinstance(e, PeerError) and s.alive:
+                # a consumer that cancels or fails a request cuts its data connection and says why on the control
+                # connection: that verdict, arriving a moment later, names the end, not the broken socket
+                t.wait_ended(VERDICT_WAIT)
             return self._fail(s, t, e)
         except Exception as e:  # noqa: BLE001
             return self._fail(s, t, PeerError(f"write failed: {e!r}"))

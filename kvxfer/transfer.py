@@ -70,6 +70,10 @@ class Transfer:
     def done(self) -> bool:
         return self._ended.is_set()
 
+    def wait_ended(self, timeout: float) -> bool:
+        """Whether the transfer ended within ``timeout`` seconds (no error raised)."""
+        return self._ended.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> "Transfer":
         """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
         limit = max(0.0, self.deadline - time.monotonic()) + 1.0

@@ -247,6 +247,12 @@ class NixlLink(Link):
                 ldesc = agent.get_xfer_descs(local, self.t.mem_type)
                 rdesc = agent.get_xfer_descs(remote, self.rmem)
                 handle = agent.initialize_xfer(op, ldesc, rdesc, self.remote, notif)
+                # the last moment to decide: a one-sided op posted after the deadline (a producer stopped and
+                # resumed) could land in blocks the other side freed once its quarantine passed
+                if cancel.is_set():
+                    raise CancelledError("transfer cancelled")
+                if time.monotonic() >= deadline:
+                    raise DeadlineError(f"NIXL {op} not posted: the deadline passed")
                 state = agent.transfer(handle)
             pause = 0.00002
             while state == "PROC":

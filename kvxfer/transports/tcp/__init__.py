@@ -66,7 +66,7 @@ class TcpTransport(Transport):
             return
         ch = Channel(sock)
         if hello.purpose == "pull":
-            link.conns.pulls.put(ch)
+            link.conns.pulls.put(link.conns.track(ch))  # tracked: closing the link stops a read in progress
         else:
             link.spawn(link.serve_writes, ch)
 
