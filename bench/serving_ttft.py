@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_tiny_model import make  # noqa: E402
+
 from tests.e2e.conftest import MODEL_DIR, start_decode, start_router, start_vllm  # noqa: E402
 
 
@@ -57,9 +58,15 @@ def main() -> None:
         rows = {"direct": [], "router": []}
         for i in range(args.n + 2):
             # distinct prompts of one length (no prefix-cache hits), alternating which path goes first
-            body = [{"model": "tiny", "stream": True, "max_tokens": 8,
-                     "prompt": " ".join(f"w{3 + (i * 131 + k * 61 + j * 7) % 500}" for j in range(args.words))}
-                    for k in range(2)]
+            body = [
+                {
+                    "model": "tiny",
+                    "stream": True,
+                    "max_tokens": 8,
+                    "prompt": " ".join(f"w{3 + (i * 131 + k * 61 + j * 7) % 500}" for j in range(args.words)),
+                }
+                for k in range(2)
+            ]
             if i % 2:
                 d = ttft(vllm_url, body[0], {})
                 r = ttft(router_url, body[1], {"x-kvxfer-route": "low-latency"})

@@ -5,6 +5,8 @@ is the ledger's (``ledger.Grants``); this module wires it to sockets, threads an
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ipaddress
 import itertools
 import logging
@@ -13,21 +15,33 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from . import handshake, tls, wire
 from .allocator import Allocator, FreeList
 from .channel import Channel, parse_address, remaining
-from .sockets import close
 from .digest import mismatches
-from .errors import (AuthError, BusyError, ConfigError, CancelledError, ClosedError, DeadlineError, IntegrityError, KVXferError, PeerError,
-                     ProtocolError, StaleError, from_code)
+from .errors import (
+    AuthError,
+    BusyError,
+    CancelledError,
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    IntegrityError,
+    KVXferError,
+    PeerError,
+    ProtocolError,
+    StaleError,
+    from_code,
+)
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
 from .lifecycle import HandleBase, ms
 from .plan import check_ids
+from .sockets import close
 from .transfer import Arrival
 from .transports.base import Peer, Transport
 
@@ -37,16 +51,16 @@ log = logging.getLogger("kvxfer")
 class _ConsumerSession:
     """One producer's control connection, and the pulls this consumer runs for it."""
 
-    def __init__(self, sid: int, ch: Channel, remote_id: str):
-        self.sid = sid
+    def __init__(self, ch: Channel, remote_id: str, peer: Peer, transport: Transport):
+        self.sid = peer.session
         self.ch = ch
         self.remote_id = remote_id
-        self.link = None
-        self.peer: Peer | None = None
+        self.peer = peer
+        self.transport = transport  # the one both sides agreed on in the handshake
+        self.link = transport.connect(peer)
         self.alive = True
         self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
-        self.transport: Transport | None = None    # the one both sides agreed on in the handshake
-        self.data_nonces: set[bytes] = set()        # each data connection proves the session key once
+        self.data_nonces: set[bytes] = set()  # each data connection proves the session key once
 
     def send(self, msg) -> bool:
         try:
@@ -72,19 +86,39 @@ class Consumer(HandleBase):
     ``tls`` (a server context, ``kvxfer.tls.server_context``): every control and TCP data connection is TLS.
     """
 
-    def __init__(self, layout: KVLayout, *, transport: str = "auto", listen: str = "127.0.0.1:0",
-                 allocator: Allocator | None = None, auth: str = "", deadline: float = 30.0,
-                 max_inflight: int = 1024, tombstone_ttl: float = 30.0, retry_after: float = 0.05,
-                 quarantine: float = 2.0, on_arrival: Callable[[Arrival], None] | None = None,
-                 peer_id: str | None = None, transport_options: dict | None = None, workers: int = 8,
-                 max_frame: int = wire.MAX_FRAME, handshake_timeout: float = 5.0, queue_arrivals: bool = True,
-                 allowed_producers: Iterable[str] | None = None, max_sessions_per_host: int = 64,
-                 max_inflight_per_peer: int | None = None, max_msgs_per_sec: float = 20_000.0,
-                 tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        transport: str = "auto",
+        listen: str = "127.0.0.1:0",
+        allocator: Allocator | None = None,
+        auth: str = "",
+        deadline: float = 30.0,
+        max_inflight: int = 1024,
+        tombstone_ttl: float = 30.0,
+        retry_after: float = 0.05,
+        quarantine: float = 2.0,
+        on_arrival: Callable[[Arrival], None] | None = None,
+        peer_id: str | None = None,
+        transport_options: dict | None = None,
+        workers: int = 8,
+        max_frame: int = wire.MAX_FRAME,
+        handshake_timeout: float = 5.0,
+        queue_arrivals: bool = True,
+        allowed_producers: Iterable[str] | None = None,
+        max_sessions_per_host: int = 64,
+        max_inflight_per_peer: int | None = None,
+        max_msgs_per_sec: float = 20_000.0,
+        tls: ssl.SSLContext | None = None,
+    ):
         host, port = parse_address(listen)
         try:
-            self.allowed = None if allowed_producers is None else [ipaddress.ip_network(a, strict=False)
-                                                                   for a in allowed_producers]
+            self.allowed = (
+                None
+                if allowed_producers is None
+                else [ipaddress.ip_network(a, strict=False) for a in allowed_producers]
+            )
         except ValueError as e:
             raise ConfigError(f"allowed_producers: {e}") from None
         self.max_sessions_per_host = max_sessions_per_host
@@ -93,10 +127,16 @@ class Consumer(HandleBase):
         super().__init__(layout, transport, auth, transport_options, peer_id, workers)
         self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.allocator = allocator or FreeList(layout.num_blocks)
-        self.grants = Grants(self.allocator, layout.block_bytes, max_inflight=max_inflight,
-                             tombstone_ttl=tombstone_ttl, retry_after=retry_after,
-                             quarantine=quarantine,
-                             num_layers=layout.fingerprint.num_layers, max_inflight_per_peer=max_inflight_per_peer)
+        self.grants = Grants(
+            self.allocator,
+            layout.block_bytes,
+            max_inflight=max_inflight,
+            tombstone_ttl=tombstone_ttl,
+            retry_after=retry_after,
+            quarantine=quarantine,
+            num_layers=layout.fingerprint.num_layers,
+            max_inflight_per_peer=max_inflight_per_peer,
+        )
         self.deadline = deadline
         self.max_frame = max_frame
         self.handshake_timeout = handshake_timeout
@@ -139,8 +179,12 @@ class Consumer(HandleBase):
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.counters, **self.grants.counts(), sessions=len(self._sessions),
-                        free_blocks=getattr(self.allocator, "num_free", -1))
+            return dict(
+                self.counters,
+                **self.grants.counts(),
+                sessions=len(self._sessions),
+                free_blocks=getattr(self.allocator, "num_free", -1),
+            )
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -232,7 +276,7 @@ class Consumer(HandleBase):
             if not isinstance(e, PeerError):
                 _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
             error = e
-        except Exception as e:  # noqa: BLE001 - a peer must never crash the consumer
+        except Exception as e:  # a peer must never crash the consumer
             log.exception("kvxfer consumer session")
             error = PeerError(repr(e))
         else:
@@ -256,12 +300,11 @@ class Consumer(HandleBase):
         challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
         ch.send(challenge)
         proof = ch.recv(remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
-        remote, pairing, name, meta, key = handshake.check_proof(proof, self.auth, hello.nonce, nonce, self.layout,
-                                                                 list(self.transports))
-        s = _ConsumerSession(next(self._sids), ch, hello.peer_id)
-        s.transport = self.transports[name]
-        s.peer = Peer(s.sid, self.address, remote, pairing, meta, is_producer=False, key=key)
-        s.link = s.transport.connect(s.peer)
+        remote, pairing, name, meta, key = handshake.check_proof(
+            proof, self.auth, hello.nonce, nonce, self.layout, list(self.transports)
+        )
+        peer = Peer(next(self._sids), self.address, remote, pairing, meta, is_producer=False, key=key)
+        s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:
             self._sessions[s.sid] = s
         ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key))
@@ -296,13 +339,13 @@ class Consumer(HandleBase):
                 self._deliver(slot, "push")
             return
         if isinstance(msg, wire.Cancel):
-            slot = self.grants.cancel(s.sid, msg.req, msg.gen, CancelledError(f"producer cancelled: {msg.reason}"),
-                                      now)
+            slot = self.grants.cancel(s.sid, msg.req, msg.gen, CancelledError(f"producer cancelled: {msg.reason}"), now)
             if slot is not None:
                 self._failed(slot)
                 if slot.senders > 1:
-                    self._tell_members(slot, lambda gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason),
-                                       skip=s.sid)
+                    self._tell_members(
+                        slot, lambda gen: wire.Cancel(req=msg.req, gen=gen, reason=msg.reason), skip=s.sid
+                    )
             return
         if isinstance(msg, (wire.Ack, wire.Error)) and msg.req in s.pulls:
             return self._pull_answer(s, msg)
@@ -324,17 +367,30 @@ class Consumer(HandleBase):
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
-            slot, superseded = self.grants.admit(s.sid, msg.req, msg.num_blocks, deadline, now, senders=msg.senders,
-                                                 part=msg.part, layers=msg.layers, meta=msg.meta,
-                                                 one_sided=s.transport.one_sided)
+            slot, superseded = self.grants.admit(
+                s.sid,
+                msg.req,
+                msg.num_blocks,
+                deadline,
+                now,
+                senders=msg.senders,
+                part=msg.part,
+                layers=msg.layers,
+                meta=msg.meta,
+                one_sided=s.transport.one_sided,
+            )
         except KVXferError as e:
             return self._reject(s, msg.req, e, attempt=msg.attempt)
         self._count("admitted", not (slot.senders > 1 and len(slot.parts) > 1))
         self._count("failed", len(superseded))
         for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
-            self._tell_members(old, lambda gen: wire.Error(req=old.req, gen=gen, code=StaleError.code,
-                                                           message=f"request {old.req!r} superseded"),
-                               skip=s.sid)  # on the same session the answer would name the new transfer
+            self._tell_members(
+                old,
+                lambda gen, old=old: wire.Error(
+                    req=old.req, gen=gen, code=StaleError.code, message=f"request {old.req!r} superseded"
+                ),
+                skip=s.sid,
+            )  # on the same session the answer would name the new transfer
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
@@ -364,15 +420,23 @@ class Consumer(HandleBase):
         with self._lock:
             self.counters["completed"] += 1
             self.counters["bytes"] += slot.nbytes
-        arrival = Arrival(slot.req, slot.ids, slot.meta, slot.nbytes, slot.gen,
-                          s.remote_id if s else "", kind, slot.digests,
-                          {"admitted": slot.admitted, "completed": time.monotonic()})
+        arrival = Arrival(
+            slot.req,
+            slot.ids,
+            slot.meta,
+            slot.nbytes,
+            slot.gen,
+            s.remote_id if s else "",
+            kind,
+            slot.digests,
+            {"admitted": slot.admitted, "completed": time.monotonic()},
+        )
         if kind == "push":
             self._tell_members(slot, lambda gen: wire.Ack(req=slot.req, gen=gen))
         if self.on_arrival is not None:
             try:
                 self.on_arrival(arrival)
-            except Exception:  # noqa: BLE001 - the runtime's callback must not break the transport
+            except Exception:  # the runtime's callback must not break the transport
                 log.exception("kvxfer on_arrival callback for %s", slot.req)
         if self.queue_arrivals or self.on_arrival is None:
             self.arrivals.put(arrival)
@@ -382,18 +446,22 @@ class Consumer(HandleBase):
         bad = mismatches(self.layout, slot.ids, slot.digests) if slot.digests else []
         if not bad:
             return None
-        err = IntegrityError(f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from the "
-                             f"producer's digests (first at position {bad[0]})")
+        err = IntegrityError(
+            f"request {slot.req!r}: {len(bad)} of {len(slot.ids)} blocks differ from the "
+            f"producer's digests (first at position {bad[0]})"
+        )
         log.error("kvxfer %s", err)
         return err
 
     def _reap(self, now: float) -> None:
         for slot in self.grants.expired(now):
             missing = slot.senders - len(slot.parts) if slot.senders > 1 else 0
-            err = DeadlineError(f"request {slot.req!r} passed its deadline"
-                                + (f" ({missing} of {slot.senders} senders never came)" if missing else ""))
+            err = DeadlineError(
+                f"request {slot.req!r} passed its deadline"
+                + (f" ({missing} of {slot.senders} senders never came)" if missing else "")
+            )
             self._fail_slot(slot, err)
-            self._tell_members(slot, lambda gen: wire.Error(req=slot.req, gen=gen, code=err.code, message=str(err)))
+            self._tell_members(slot, functools.partial(_error_for, slot.req, err))
         self.grants.reap(now)
 
     # ---- pull -------------------------------------------------------------------------------------------
@@ -402,8 +470,17 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             deadline = now + min(self.deadline, max(msg.lease_ms, 1) / 1000)
-            slot = self.grants.admit_pull(s.sid, msg.req, len(src), deadline, now, msg.gen, dict(msg.meta),
-                                          msg.digests, one_sided=s.transport.one_sided)
+            slot = self.grants.admit_pull(
+                s.sid,
+                msg.req,
+                len(src),
+                deadline,
+                now,
+                msg.gen,
+                dict(msg.meta),
+                msg.digests,
+                one_sided=s.transport.one_sided,
+            )
         except KVXferError as e:
             return self._reject(s, msg.req, e, gen=msg.gen)
         self._count("admitted")
@@ -424,7 +501,7 @@ class Consumer(HandleBase):
             moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel)
         except KVXferError as e:
             error = e
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = PeerError(f"read failed: {e!r}")
         self.grants.end_receive(slot, 0 if error else moved, time.monotonic())
         error = error or slot.error or self._integrity(slot)
@@ -457,7 +534,7 @@ class Consumer(HandleBase):
 
     def end_write(self, ticket: Slot | Part, nbytes: int, error: BaseException | None) -> None:
         part = ticket if isinstance(ticket, Part) else None
-        slot = part.slot if part else ticket
+        slot = ticket.slot if isinstance(ticket, Part) else ticket
         if error is not None:
             err = error if isinstance(error, KVXferError) else PeerError(f"receive failed: {error!r}")
             self._fail_slot(slot, err)
@@ -477,10 +554,7 @@ class Consumer(HandleBase):
         if self.closed:
             return
         self.closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
+        close(self._listener)
         with self._lock:
             sessions = list(self._sessions.values())
         for s in sessions:
@@ -490,7 +564,9 @@ class Consumer(HandleBase):
 
 
 def _tell(ch: Channel, msg) -> None:
-    try:
+    with contextlib.suppress(KVXferError):
         ch.send(msg)
-    except KVXferError:
-        pass
+
+
+def _error_for(req: str, err: KVXferError, gen: int) -> wire.Error:
+    return wire.Error(req=req, gen=gen, code=err.code, message=str(err))

@@ -4,7 +4,8 @@ layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and
     producer -> Hello(version, peer_id, nonce_p)
     consumer -> Challenge(version, peer_id, nonce_c, proof_c = HMAC(token, "consumer" | nonce_p | nonce_c | id_c))
     producer -> Proof(proof_p = HMAC(token, "producer" | nonce_p | nonce_c | layout | transports), layout, transports)
-    consumer -> Welcome(session, layout, transport, meta, mac = HMAC(key, "welcome" | session | layout | transport | meta))
+    consumer -> Welcome(session, layout, transport, meta,
+                        mac = HMAC(key, "welcome" | session | layout | transport | meta))
 
 with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. The token never crosses the wire; each side proves
 it over a nonce the other just chose, so a replayed message fails; no layout (whose regions name raw
@@ -78,8 +79,9 @@ def hello(peer_id: str) -> tuple[wire.Hello, bytes]:
     return wire.Hello(version=wire.VERSION, peer_id=peer_id, nonce=n), n
 
 
-def answer(msg, address: str, token: str, nonce_p: bytes, layout: KVLayout,
-           offers: list[tuple[str, bytes]]) -> tuple[wire.Proof, bytes]:
+def answer(
+    msg, address: str, token: str, nonce_p: bytes, layout: KVLayout, offers: list[tuple[str, bytes]]
+) -> tuple[wire.Proof, bytes]:
     """Producer: check the consumer's ``Challenge``; returns our ``Proof`` (layout and transport offers) and the
     session key."""
     if isinstance(msg, wire.Error):
@@ -96,8 +98,9 @@ def answer(msg, address: str, token: str, nonce_p: bytes, layout: KVLayout,
     return wire.Proof(proof=proof, layout=desc, transports=offers), session_key(token, nonce_p, msg.nonce)
 
 
-def check_welcome(msg, address: str, key: bytes, layout: KVLayout,
-                  offered: list[str]) -> tuple[wire.Welcome, KVLayout, Pairing]:
+def check_welcome(
+    msg, address: str, key: bytes, layout: KVLayout, offered: list[str]
+) -> tuple[wire.Welcome, KVLayout, Pairing]:
     """Producer: the consumer's ``Welcome`` is authentic, names a transport we offered and a layout we pair with
     (side ``a`` of the pairing is ours)."""
     if isinstance(msg, wire.Error):
@@ -129,14 +132,16 @@ def challenge(hello_: wire.Hello, peer_id: str, token: str) -> tuple[wire.Challe
     return wire.Challenge(version=wire.VERSION, peer_id=peer_id, nonce=n, proof=proof), n
 
 
-def check_proof(msg, token: str, nonce_p: bytes, nonce_c: bytes, layout: KVLayout,
-                have: list[str]) -> tuple[KVLayout, Pairing, str, bytes, bytes]:
+def check_proof(
+    msg, token: str, nonce_p: bytes, nonce_c: bytes, layout: KVLayout, have: list[str]
+) -> tuple[KVLayout, Pairing, str, bytes, bytes]:
     """Consumer: the producer proved the token; returns its layout, the pairing (side ``a`` the producer's), the
     first offered transport we have, its metadata, and the session key."""
     if not isinstance(msg, wire.Proof):
         raise ProtocolError(f"expected proof, got {type(msg).__name__}")
-    expected = _mac(_token(token), b"kvxfer-producer", nonce_p, nonce_c, _enc.encode(msg.layout),
-                    _enc.encode(msg.transports))
+    expected = _mac(
+        _token(token), b"kvxfer-producer", nonce_p, nonce_c, _enc.encode(msg.layout), _enc.encode(msg.transports)
+    )
     if not hmac.compare_digest(expected, msg.proof):
         raise AuthError("bad auth token")
     chosen = next(((name, meta) for name, meta in msg.transports if name in have), None)
@@ -153,16 +158,26 @@ def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: by
 
 
 def _welcome_mac(key: bytes, msg: wire.Welcome) -> bytes:
-    return _mac(key, b"kvxfer-welcome", str(msg.session).encode(), _enc.encode(msg.layout), msg.transport.encode(),
-                msg.transport_meta)
+    return _mac(
+        key,
+        b"kvxfer-welcome",
+        str(msg.session).encode(),
+        _enc.encode(msg.layout),
+        msg.transport.encode(),
+        msg.transport_meta,
+    )
 
 
 # ---- data connections --------------------------------------------------------------------------------------
 def data_hello(session: int, purpose: str, key: bytes) -> wire.DataHello:
     """The first frame of a data connection of ``session``: a fresh nonce and the session key's proof over it."""
     n = nonce()
-    return wire.DataHello(session=session, purpose=purpose, nonce=n,
-                          mac=_mac(key, b"kvxfer-data", str(session).encode(), purpose.encode(), n))
+    return wire.DataHello(
+        session=session,
+        purpose=purpose,
+        nonce=n,
+        mac=_mac(key, b"kvxfer-data", str(session).encode(), purpose.encode(), n),
+    )
 
 
 def check_data_hello(msg: wire.DataHello, key: bytes, seen: set[bytes]) -> None:

@@ -24,17 +24,17 @@ _generations = itertools.count(1)
 
 
 class State(enum.Enum):
-    GRANTED = "granted"      # blocks allocated to the request, waiting for bytes (or for Done)
+    GRANTED = "granted"  # blocks allocated to the request, waiting for bytes (or for Done)
     RECEIVING = "receiving"  # a local receiver is landing bytes in them now (stream push, any pull)
-    HANDED = "handed"        # complete: the runtime owns the blocks until it releases them
-    FAILED = "failed"        # ended with an error: the blocks wait until no byte can still land in them
-    FREED = "freed"          # the blocks are back in the allocator
+    HANDED = "handed"  # complete: the runtime owns the blocks until it releases them
+    FAILED = "failed"  # ended with an error: the blocks wait until no byte can still land in them
+    FREED = "freed"  # the blocks are back in the allocator
 
 
 _TRANSITIONS: dict[State, frozenset[State]] = {
     State.GRANTED: frozenset({State.RECEIVING, State.HANDED, State.FAILED}),
     State.RECEIVING: frozenset({State.GRANTED, State.FAILED}),
-    State.HANDED: frozenset({State.FREED, State.FAILED}),   # FAILED: revoked before the runtime saw it
+    State.HANDED: frozenset({State.FREED, State.FAILED}),  # FAILED: revoked before the runtime saw it
     State.FAILED: frozenset({State.FREED}),
     State.FREED: frozenset(),
 }
@@ -49,7 +49,7 @@ class Part:
     peer: int
     layers: tuple[int, ...]
     nbytes: int
-    slot: "Slot"
+    slot: Slot
     landed: int = 0
     done: bool = False
 
@@ -69,27 +69,30 @@ class Slot:
     ids: np.ndarray
     nbytes: int
     deadline: float
-    kind: str = "push"        # "pull": the consumer reads an offer; ``lease_gen`` names it to the producer
+    kind: str = "push"  # "pull": the consumer reads an offer; ``lease_gen`` names it to the producer
     lease_gen: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
     digests: bytes = b""
     landed: int = 0
     done: bool = False
-    moving: int = 0           # receives in progress into these blocks
+    moving: int = 0  # receives in progress into these blocks
     error: KVXferError | None = None
     state: State = State.GRANTED
-    hold_until: float = 0.0   # a failed slot keeps its blocks until no writer can still touch them
+    hold_until: float = 0.0  # a failed slot keeps its blocks until no writer can still touch them
     senders: int = 1
-    parts: dict[int, Part] = field(default_factory=dict)   # multi-sender only, by part index
-    live_peers: set[int] = field(default_factory=set)      # sessions that may still write these blocks
+    parts: dict[int, Part] = field(default_factory=dict)  # multi-sender only, by part index
+    live_peers: set[int] = field(default_factory=set)  # sessions that may still write these blocks
     admitted: float = 0.0
-    one_sided: bool = False   # a writer's transport is one-sided: a failure quarantines the blocks
+    one_sided: bool = False  # a writer's transport is one-sided: a failure quarantines the blocks
 
     @property
     def ready(self) -> bool:
         if self.senders > 1:
-            return (len(self.parts) == self.senders and self.error is None
-                    and all(p.done and p.landed >= p.nbytes for p in self.parts.values()))
+            return (
+                len(self.parts) == self.senders
+                and self.error is None
+                and all(p.done and p.landed >= p.nbytes for p in self.parts.values())
+            )
         return self.done and self.landed >= self.nbytes and self.error is None
 
     @property
@@ -113,6 +116,7 @@ def _locked(method):
     def run(self, *args, **kwargs):
         with self.lock:
             return method(self, *args, **kwargs)
+
     run.__name__, run.__doc__ = method.__name__, method.__doc__
     return run
 
@@ -126,9 +130,18 @@ class Grants:
     public method takes the ledger's own lock.
     """
 
-    def __init__(self, allocator: Allocator, block_bytes: int, *, max_inflight: int = 1024,
-                 tombstone_ttl: float = 30.0, quarantine: float = 0.0, retry_after: float = 0.05,
-                 num_layers: int = 1, max_inflight_per_peer: int | None = None):
+    def __init__(
+        self,
+        allocator: Allocator,
+        block_bytes: int,
+        *,
+        max_inflight: int = 1024,
+        tombstone_ttl: float = 30.0,
+        quarantine: float = 0.0,
+        retry_after: float = 0.05,
+        num_layers: int = 1,
+        max_inflight_per_peer: int | None = None,
+    ):
         self.allocator = allocator
         self.block_bytes = block_bytes
         self.num_layers = num_layers
@@ -145,9 +158,20 @@ class Grants:
 
     # ---- admission ---------------------------------------------------------------------------------------
     @_locked
-    def admit(self, peer: int, req: str, n: int, deadline: float, now: float, *, senders: int = 1,
-              part: int = 0, layers=None, meta: dict | None = None,
-              one_sided: bool = False) -> tuple[Slot, list[Slot]]:
+    def admit(
+        self,
+        peer: int,
+        req: str,
+        n: int,
+        deadline: float,
+        now: float,
+        *,
+        senders: int = 1,
+        part: int = 0,
+        layers=None,
+        meta: dict | None = None,
+        one_sided: bool = False,
+    ) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
         With ``senders > 1`` the request is split between that many producer sessions, part ``part`` carrying
@@ -184,8 +208,18 @@ class Grants:
         ids = self.allocator.allocate(n)
         if ids is None:
             raise BusyError(f"no room for {n} blocks", self.retry_after)
-        slot = Slot(req, next(_generations), peer, np.asarray(ids, dtype=np.int64), n * self.block_bytes, deadline,
-                    senders=senders, live_peers={peer}, admitted=now, one_sided=one_sided)
+        slot = Slot(
+            req,
+            next(_generations),
+            peer,
+            np.asarray(ids, dtype=np.int64),
+            n * self.block_bytes,
+            deadline,
+            senders=senders,
+            live_peers={peer},
+            admitted=now,
+            one_sided=one_sided,
+        )
         self.active[req] = slot
         if senders > 1:
             slot.gen = self._join(slot, peer, n, part, layers).gen
@@ -193,8 +227,18 @@ class Grants:
         return slot, superseded
 
     @_locked
-    def admit_pull(self, peer: int, req: str, n: int, deadline: float, now: float, lease_gen: int,
-                   meta: dict | None = None, digests: bytes = b"", one_sided: bool = False) -> Slot:
+    def admit_pull(
+        self,
+        peer: int,
+        req: str,
+        n: int,
+        deadline: float,
+        now: float,
+        lease_gen: int,
+        meta: dict | None = None,
+        digests: bytes = b"",
+        one_sided: bool = False,
+    ) -> Slot:
         """Admit an offer this consumer will read: blocks to read into, named to the producer by its lease."""
         slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided)
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
@@ -205,8 +249,9 @@ class Grants:
             raise BlockError(f"part {part} of {senders} senders")
         ls = tuple(sorted(int(x) for x in (layers or ())))
         if not ls or len(set(ls)) != len(ls) or ls[0] < 0 or ls[-1] >= self.num_layers:
-            raise BlockError(f"part {part}: layers {list(layers or ())} are not distinct layers of "
-                             f"[0, {self.num_layers})")
+            raise BlockError(
+                f"part {part}: layers {list(layers or ())} are not distinct layers of [0, {self.num_layers})"
+            )
         return ls
 
     def _join(self, slot: Slot, peer: int, n: int, part: int, layers: tuple[int, ...]) -> Part:
@@ -214,13 +259,15 @@ class Grants:
             raise BlockError(f"request {slot.req!r} part {part}: {n} blocks, the request holds {len(slot.ids)}")
         taken = {x for p in slot.parts.values() for x in p.layers}
         if taken & set(layers):
-            raise BlockError(f"request {slot.req!r} part {part}: layers {sorted(taken & set(layers))} "
-                             "already belong to another part")
+            raise BlockError(
+                f"request {slot.req!r} part {part}: layers {sorted(taken & set(layers))} already belong to another part"
+            )
         if len(slot.parts) == slot.senders - 1 and len(taken) + len(layers) != self.num_layers:
-            raise BlockError(f"request {slot.req!r}: its {slot.senders} parts cover "
-                             f"{len(taken) + len(layers)} of {self.num_layers} layers")
-        p = Part(part, next(_generations), peer, layers, n * self.block_bytes * len(layers) // self.num_layers,
-                 slot)
+            raise BlockError(
+                f"request {slot.req!r}: its {slot.senders} parts cover "
+                f"{len(taken) + len(layers)} of {self.num_layers} layers"
+            )
+        p = Part(part, next(_generations), peer, layers, n * self.block_bytes * len(layers) // self.num_layers, slot)
         slot.parts[part] = p
         slot.live_peers.add(peer)
         return p
@@ -242,8 +289,12 @@ class Grants:
     def _live_part(self, peer: int, req: str, gen: int) -> tuple[Slot, Part | None]:
         slot = self.active.get(req)
         part = self.part(slot, gen) if slot is not None and slot.senders > 1 else None
-        if slot is None or slot.kind != "push" or (part is None and (slot.senders > 1 or slot.gen != gen)) \
-                or (part.peer if part else slot.peer) != peer:
+        if (
+            slot is None
+            or slot.kind != "push"
+            or (part is None and (slot.senders > 1 or slot.gen != gen))
+            or (part.peer if part else slot.peer) != peer
+        ):
             if req in self.tombstones:
                 raise CancelledError(f"request {req!r} was cancelled or failed")
             raise StaleError(f"no live grant for request {req!r} generation {gen}")

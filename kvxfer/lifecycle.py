@@ -50,13 +50,21 @@ class HandleBase:
     """A transport bound to this handle (its host), a reaper that enforces deadlines every 20 ms, and a
     worker pool; subclasses say what reaping and closing mean for their side."""
 
-    def __init__(self, layout: KVLayout, transport: str, auth: str, transport_options: dict | None,
-                 peer_id: str | None, workers: int):
+    def __init__(
+        self,
+        layout: KVLayout,
+        transport: str,
+        auth: str,
+        transport_options: dict | None,
+        peer_id: str | None,
+        workers: int,
+    ):
         self.layout = layout
         self.auth = auth
         self.peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.transports = _open_transports(transports.candidates(transport), layout, self,
-                                           dict(transport_options or {}))
+        self.transports = _open_transports(
+            transports.candidates(transport), layout, self, dict(transport_options or {})
+        )
         self.transport = next(iter(self.transports.values()))  # the preferred one
         self.transport_name = self.transport.name
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvxfer-worker")
@@ -69,7 +77,7 @@ class HandleBase:
         while not self._stop.wait(REAP_INTERVAL):
             try:
                 self._reap(time.monotonic())
-            except Exception:  # noqa: BLE001 - the reaper must survive anything to keep deadlines
+            except Exception:  # the reaper must survive anything to keep deadlines
                 log.exception("kvxfer reaper")
 
     def _reap(self, now: float) -> None:

@@ -9,15 +9,25 @@ import logging
 import ssl
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from . import handshake, wire
 from .channel import Channel, connect, parse_address, remaining
 from .digest import block_digests
-from .errors import (BlockError, BusyError, CancelledError, ClosedError, DeadlineError, KVXferError,
-                     LeaseExpiredError, PeerError, ProtocolError, from_code)
+from .errors import (
+    BlockError,
+    BusyError,
+    CancelledError,
+    ClosedError,
+    DeadlineError,
+    KVXferError,
+    LeaseExpiredError,
+    PeerError,
+    ProtocolError,
+    from_code,
+)
 from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, ms
@@ -31,8 +41,9 @@ VERDICT_WAIT = 0.25  # how long a broken data connection waits for the control c
 
 
 class _ProducerSession:
-    def __init__(self, owner: "Producer", address: str, ch: Channel, peer: Peer, transport: Transport, link,
-                 remote_id: str):
+    def __init__(
+        self, owner: Producer, address: str, ch: Channel, peer: Peer, transport: Transport, link, remote_id: str
+    ):
         self.owner = owner
         self.transport = transport  # the one both sides agreed on in the handshake
         self.address = address
@@ -57,7 +68,7 @@ class _ProducerSession:
                 self.owner._on_message(self, self.ch.recv())
         except KVXferError as e:
             error = e if not isinstance(e, PeerError) else PeerError(f"consumer {self.address}: {e}")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             error = PeerError(f"consumer {self.address}: {e!r}")
         self.owner._session_lost(self, error)
 
@@ -70,10 +81,21 @@ class Producer(HandleBase):
     ``kvxfer.tls.client_context``) makes every control and TCP data connection TLS.
     """
 
-    def __init__(self, layout: KVLayout, *, transport: str = "auto", auth: str = "", deadline: float = 30.0,
-                 lease: float = 30.0, connect_timeout: float = 5.0, peer_id: str | None = None,
-                 transport_options: dict | None = None, workers: int = 8, max_frame: int = wire.MAX_FRAME,
-                 tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        transport: str = "auto",
+        auth: str = "",
+        deadline: float = 30.0,
+        lease: float = 30.0,
+        connect_timeout: float = 5.0,
+        peer_id: str | None = None,
+        transport_options: dict | None = None,
+        workers: int = 8,
+        max_frame: int = wire.MAX_FRAME,
+        tls: ssl.SSLContext | None = None,
+    ):
         options = dict(transport_options or {}, **({"tls": tls} if tls is not None else {}))
         super().__init__(layout, transport, auth, options, peer_id, workers)
         self.tls = tls
@@ -158,6 +180,7 @@ class Producer(HandleBase):
     def _launch(self, t: Transfer, send: Callable[[_ProducerSession, Transfer], None]) -> Transfer:
         """Enroll ``t`` in its consumer's session and ``send`` its first message: here when the session is up,
         else on the worker pool, so ``push`` and ``offer`` never wait for a connection or a handshake."""
+
         def run() -> None:
             if t.done():
                 return
@@ -178,9 +201,21 @@ class Producer(HandleBase):
                 self._end(t, ClosedError("producer closed"))
         return t
 
-    def push(self, address: str, req: str, block_ids, *, meta: dict | None = None,
-             deadline: float | None = None, digests: bool = False, dst_block_ids=None,
-             layers=None, senders: int = 1, part: int = 0, retry_busy: bool = False) -> Transfer:
+    def push(
+        self,
+        address: str,
+        req: str,
+        block_ids,
+        *,
+        meta: dict | None = None,
+        deadline: float | None = None,
+        digests: bool = False,
+        dst_block_ids=None,
+        layers=None,
+        senders: int = 1,
+        part: int = 0,
+        retry_busy: bool = False,
+    ) -> Transfer:
         """Ask ``address`` to admit ``len(block_ids)`` blocks and write these blocks into its grant.
 
         Returns at once; the transfer goes on in the background. ``dst_block_ids`` (a test hook for the
@@ -196,8 +231,7 @@ class Producer(HandleBase):
         """
         t = self._start("push", address, req, block_ids, deadline)
         t.meta = dict(meta or {})
-        if senders == 1 and layers is not None \
-                and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
+        if senders == 1 and layers is not None and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
             raise BlockError("a subset of layers is one part of a multi-sender push: give senders and part")
         if senders > 1:
             if digests:
@@ -212,12 +246,29 @@ class Producer(HandleBase):
         return self._launch(t, self._admit)
 
     def _admit(self, s: _ProducerSession, t: Transfer) -> None:
-        s.send(wire.Admit(req=t.req, num_blocks=len(t.src_ids), attempt=t.attempt,
-                          deadline_ms=ms(t.deadline - time.monotonic()), meta=t.meta,
-                          **({"senders": t.senders, "part": t.part, "layers": t.layers} if t.senders > 1 else {})))
+        s.send(
+            wire.Admit(
+                req=t.req,
+                num_blocks=len(t.src_ids),
+                attempt=t.attempt,
+                deadline_ms=ms(t.deadline - time.monotonic()),
+                meta=t.meta,
+                senders=t.senders,
+                part=t.part,
+                layers=t.layers if t.senders > 1 else None,
+            )
+        )
 
-    def offer(self, address: str, req: str, block_ids, *, meta: dict | None = None,
-              lease: float | None = None, digests: bool = False) -> Transfer:
+    def offer(
+        self,
+        address: str,
+        req: str,
+        block_ids,
+        *,
+        meta: dict | None = None,
+        lease: float | None = None,
+        digests: bool = False,
+    ) -> Transfer:
         """Offer blocks for ``address`` to pull; the transfer ends when the consumer released them (the
         producer may then free them) or when the lease runs out (``LeaseExpiredError``)."""
         seconds = self.lease if lease is None else lease
@@ -229,8 +280,16 @@ class Producer(HandleBase):
     def _offer(self, s: _ProducerSession, t: Transfer) -> None:
         seconds = max(0.0, t.deadline - time.monotonic())
         t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
-        s.send(wire.Offer(req=t.req, gen=t.gen, ids=wire.ids_to_bytes(t.src_ids), lease_ms=ms(seconds), meta=t.meta,
-                          digests=t.digests))
+        s.send(
+            wire.Offer(
+                req=t.req,
+                gen=t.gen,
+                ids=wire.ids_to_bytes(t.src_ids),
+                lease_ms=ms(seconds),
+                meta=t.meta,
+                digests=t.digests,
+            )
+        )
 
     # ---- ending -----------------------------------------------------------------------------------------
     def _end(self, t: Transfer, error: KVXferError | None, status: Status | None = None) -> None:
@@ -262,8 +321,9 @@ class Producer(HandleBase):
             if t.deadline <= now:
                 err = LeaseExpiredError if t.kind == "pull" else DeadlineError
                 busy = f" (the consumer stayed busy, {t.busy_retries} retries)" if t.busy_retries else ""
-                self._fail(s, t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline "
-                                     f"while {t.status.value}{busy}"))
+                self._fail(
+                    s, t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline while {t.status.value}{busy}")
+                )
             elif t.retry_at and t.retry_at <= now and not t.done():
                 t.retry_at, t.attempt = 0.0, next(_attempts)
                 self._admit(s, t)
@@ -317,9 +377,11 @@ class Producer(HandleBase):
             return
         if time.monotonic() >= t.deadline:  # a grant handled late (a stopped producer): its blocks may be gone
             return self._fail(s, t, DeadlineError(f"push of {t.req!r} granted after its deadline"))
-        dst = t.dst_ids if t.override is None else t.override
+        granted = t.dst_ids
+        assert granted is not None  # _granted set it before submitting this move
+        dst = granted if t.override is None else t.override
         try:
-            if s.transport.one_sided and not np.array_equal(dst, t.dst_ids):
+            if s.transport.one_sided and not np.array_equal(dst, granted):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
             if t.layers is None:
@@ -333,7 +395,7 @@ class Producer(HandleBase):
                 # connection: that verdict, arriving a moment later, names the end, not the broken socket
                 t.wait_ended(VERDICT_WAIT)
             return self._fail(s, t, e)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return self._fail(s, t, PeerError(f"write failed: {e!r}"))
         if t.done():
             return
@@ -370,5 +432,3 @@ class Producer(HandleBase):
         for s in sessions:
             self._session_lost(s, ClosedError("producer closed"))
         self._close_common()
-
-

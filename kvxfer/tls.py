@@ -25,8 +25,9 @@ def server_context(certfile: str, keyfile: str | None = None, cafile: str | None
     return ctx
 
 
-def client_context(cafile: str | None = None, certfile: str | None = None, keyfile: str | None = None,
-                   check_hostname: bool = True) -> ssl.SSLContext:
+def client_context(
+    cafile: str | None = None, certfile: str | None = None, keyfile: str | None = None, check_hostname: bool = True
+) -> ssl.SSLContext:
     """A producer's context: the consumers' CA (the system's when ``None``), and its own certificate for mutual
     TLS. ``check_hostname=False`` accepts any name the CA signed (addresses given as IPs)."""
     ctx = ssl.create_default_context(cafile=cafile)

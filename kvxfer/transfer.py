@@ -7,8 +7,9 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,8 +21,8 @@ _attempts = itertools.count(1)  # every admission attempt has an id of its own: 
 
 
 class Status(str, enum.Enum):
-    PENDING = "pending"        # waiting for admission (push) or for the consumer to read (pull)
-    MOVING = "moving"          # bytes in flight
+    PENDING = "pending"  # waiting for admission (push) or for the consumer to read (pull)
+    MOVING = "moving"  # bytes in flight
     COMMITTING = "committing"  # bytes moved, waiting for the other side to confirm
     DONE = "done"
     FAILED = "failed"
@@ -35,8 +36,7 @@ class Transfer:
     when it ends, so a caller with many transfers in flight keeps no thread blocked per transfer.
     """
 
-    def __init__(self, req: str, kind: str, address: str, src_ids: np.ndarray, block_bytes: int,
-                 deadline: float):
+    def __init__(self, req: str, kind: str, address: str, src_ids: np.ndarray, block_bytes: int, deadline: float):
         self.req = req
         self.kind = kind
         self.address = address
@@ -51,8 +51,8 @@ class Transfer:
         self.attempt = next(_attempts)
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
-        self.layers: list[int] | None = None   # one part of a multi-sender push: only these layers
-        self.senders, self.part = 1, 0          # multi-sender: this push is part ``part`` of ``senders``
+        self.layers: list[int] | None = None  # one part of a multi-sender push: only these layers
+        self.senders, self.part = 1, 0  # multi-sender: this push is part ``part`` of ``senders``
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self.cancel_event = threading.Event()
@@ -60,9 +60,9 @@ class Transfer:
         self._lock = threading.Lock()
         self._on_cancel: Callable[[Transfer, str], None] | None = None
         self._callbacks: list[Callable[[Transfer], Any]] = []
-        self.retry_busy = False   # a Busy answer is retried after its retry_after, until the deadline
-        self.retry_at = 0.0       # when the next admission attempt goes out (0: none pending)
-        self.busy_retries = 0     # Busy answers retried so far
+        self.retry_busy = False  # a Busy answer is retried after its retry_after, until the deadline
+        self.retry_at = 0.0  # when the next admission attempt goes out (0: none pending)
+        self.busy_retries = 0  # Busy answers retried so far
 
     def __repr__(self) -> str:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"
@@ -74,7 +74,7 @@ class Transfer:
         """Whether the transfer ended within ``timeout`` seconds (no error raised)."""
         return self._ended.wait(timeout)
 
-    def wait(self, timeout: float | None = None) -> "Transfer":
+    def wait(self, timeout: float | None = None) -> Transfer:
         """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
         limit = max(0.0, self.deadline - time.monotonic()) + 1.0
         if not self._ended.wait(limit if timeout is None else min(timeout, limit)):
@@ -83,7 +83,7 @@ class Transfer:
             raise self.error
         return self
 
-    def add_done_callback(self, fn: Callable[["Transfer"], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
         """Call ``fn(transfer)`` once it ended: at once if it already has, else in the thread that ends it.
         An exception in ``fn`` is logged and ignored, as ``concurrent.futures`` does."""
         with self._lock:
@@ -92,13 +92,13 @@ class Transfer:
                 return
         self._call(fn)
 
-    def _call(self, fn: Callable[["Transfer"], Any]) -> None:
+    def _call(self, fn: Callable[[Transfer], Any]) -> None:
         try:
             fn(self)
-        except Exception:  # noqa: BLE001 - a caller's callback must not break the transport
+        except Exception:  # a caller's callback must not break the transport
             log.exception("kvxfer done callback of %s", self.req)
 
-    def result(self, timeout: float | None = None) -> "Transfer":
+    def result(self, timeout: float | None = None) -> Transfer:
         """``wait``, under the name ``concurrent.futures`` gives it."""
         return self.wait(timeout)
 

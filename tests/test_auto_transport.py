@@ -15,7 +15,7 @@ def _layout(fill: int):
 def test_auto_agrees_with_the_other_side(producer_t, consumer_t):
     if "nixl" not in available_transports():
         pytest.skip("needs nixl beside tcp to have a choice")
-    src, src_layout = _layout(7)
+    _, src_layout = _layout(7)
     dst, dst_layout = _layout(0)
     with Consumer(dst_layout, transport=consumer_t) as c, Producer(src_layout, transport=producer_t) as p:
         assert p.push(c.address, "r", [1, 2]).wait(10).status.value == "done"
@@ -29,6 +29,9 @@ def test_no_common_transport_is_incompatible():
         pytest.skip("needs nixl beside tcp")
     _, src_layout = _layout(7)
     _, dst_layout = _layout(0)
-    with Consumer(dst_layout, transport="tcp") as c, Producer(src_layout, transport="nixl") as p:
-        with pytest.raises(IncompatibleError):
-            p.push(c.address, "r", [1]).wait(10)
+    with (
+        Consumer(dst_layout, transport="tcp") as c,
+        Producer(src_layout, transport="nixl") as p,
+        pytest.raises(IncompatibleError),
+    ):
+        p.push(c.address, "r", [1]).wait(10)

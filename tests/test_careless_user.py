@@ -15,9 +15,8 @@ def _layout():
 
 @pytest.mark.parametrize("address", ["localhost", "127.0.0.1:http", "127.0.0.1:99999", "", "127.0.0.1: 80", None])
 def test_malformed_addresses_are_config_errors(address):
-    with Producer(_layout(), transport="tcp") as p:
-        with pytest.raises(ConfigError):
-            p.push(address, "r", [1]).wait(5)
+    with Producer(_layout(), transport="tcp") as p, pytest.raises(ConfigError):
+        p.push(address, "r", [1]).wait(5)
     with pytest.raises(ConfigError):
         Consumer(_layout(), transport="tcp", listen=address)
 
@@ -32,7 +31,6 @@ def test_pushing_to_an_http_port_says_so():
         conn.close()
 
     threading.Thread(target=http_server, daemon=True).start()
-    with Producer(_layout(), transport="tcp") as p:
-        with pytest.raises(ProtocolError, match="HTTP"):
-            p.push(f"127.0.0.1:{server.getsockname()[1]}", "r", [1]).wait(5)
+    with Producer(_layout(), transport="tcp") as p, pytest.raises(ProtocolError, match="HTTP"):
+        p.push(f"127.0.0.1:{server.getsockname()[1]}", "r", [1]).wait(5)
     server.close()

@@ -37,4 +37,3 @@ def test_core_imports_without_the_serving_stack():
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) > 10
-

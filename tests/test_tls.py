@@ -6,19 +6,37 @@ import time
 
 import numpy as np
 import pytest
+from conformance.test_auth import Recorder
 
 from kvxfer import AuthError, Consumer, KVLayout, KVXferError, Producer, tls
-
-from conformance.test_auth import Recorder
 
 PATTERN = np.frombuffer(b"KVXFER-PLAINTEXT", np.uint8)
 
 
 def _cert(tmp_path, name: str) -> tuple[str, str]:
     cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return str(cert), str(key)
 
 
@@ -37,12 +55,16 @@ def test_tls_moves_every_byte_and_nothing_readable_crosses(tmp_path, transport, 
     dst, dst_layout = _caches(False)
     with Consumer(dst_layout, transport=transport, tls=tls.server_context(cert, key)) as c:
         relay = Recorder(c.address)
-        with Producer(src_layout, transport=transport, tls=tls.client_context(cert),
-                      transport_options={"streams": 2, "window_min": 64 << 10}) as p:
+        with Producer(
+            src_layout,
+            transport=transport,
+            tls=tls.client_context(cert),
+            transport_options={"streams": 2, "window_min": 64 << 10},
+        ) as p:
             ids = [3, 9, 1, 30]
             getattr(p, kind)(relay.address, "r", ids).wait(10)
             a = c.get(10)
-            for s, d in zip(src, dst):
+            for s, d in zip(src, dst, strict=True):
                 assert np.array_equal(d[a.block_ids], s[ids])
         seen = b"".join(bytes(x) for x in relay.up + relay.down)
         assert seen and PATTERN.tobytes() not in seen
@@ -54,18 +76,22 @@ def test_a_consumer_the_producer_does_not_trust_is_an_auth_error(tmp_path, trans
     other, _ = _cert(tmp_path, "someone-else")
     _, src_layout = _caches(True)
     _, dst_layout = _caches(False)
-    with Consumer(dst_layout, transport=transport, tls=tls.server_context(cert, key)) as c, \
-            Producer(src_layout, transport=transport, tls=tls.client_context(other)) as p:
-        with pytest.raises(AuthError):
-            p.push(c.address, "r", [1]).wait(10)
+    with (
+        Consumer(dst_layout, transport=transport, tls=tls.server_context(cert, key)) as c,
+        Producer(src_layout, transport=transport, tls=tls.client_context(other)) as p,
+        pytest.raises(AuthError),
+    ):
+        p.push(c.address, "r", [1]).wait(10)
 
 
 def test_a_plain_producer_against_a_tls_consumer_fails_in_time(tmp_path, transport):
     cert, key = _cert(tmp_path, "consumer")
     _, src_layout = _caches(True)
     _, dst_layout = _caches(False)
-    with Consumer(dst_layout, transport=transport, tls=tls.server_context(cert, key), handshake_timeout=1.0) as c, \
-            Producer(src_layout, transport=transport, connect_timeout=2.0) as p:
+    with (
+        Consumer(dst_layout, transport=transport, tls=tls.server_context(cert, key), handshake_timeout=1.0) as c,
+        Producer(src_layout, transport=transport, connect_timeout=2.0) as p,
+    ):
         start = time.monotonic()
         with pytest.raises(KVXferError):
             p.push(c.address, "r", [1]).wait(10)

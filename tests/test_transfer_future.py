@@ -1,7 +1,6 @@
 """``Transfer`` as a future: callbacks, Busy retried inside ``push``, and ``push`` never waiting on a connection."""
 
 import socket
-import threading
 import time
 
 import numpy as np
@@ -18,9 +17,8 @@ def _caches(fill: int):
 @pytest.fixture
 def pair(transport):
     _, src = _caches(3)
-    dst_caches, dst = _caches(0)
-    with Consumer(dst, transport=transport, retry_after=0.05) as c, \
-            Producer(src, transport=transport) as p:
+    _, dst = _caches(0)
+    with Consumer(dst, transport=transport, retry_after=0.05) as c, Producer(src, transport=transport) as p:
         yield p, c
 
 

@@ -3,5 +3,14 @@
 from .allocator import PagedPool, TokenAllocator, TokenBlocks
 from .service import FIRST_TOKEN, NUM_TOKENS, SAMPLING, Handoff, ReceiveService, handoff_meta
 
-__all__ = ["FIRST_TOKEN", "Handoff", "NUM_TOKENS", "PagedPool", "ReceiveService", "SAMPLING", "TokenAllocator",
-           "TokenBlocks", "handoff_meta"]
+__all__ = [
+    "FIRST_TOKEN",
+    "NUM_TOKENS",
+    "SAMPLING",
+    "Handoff",
+    "PagedPool",
+    "ReceiveService",
+    "TokenAllocator",
+    "TokenBlocks",
+    "handoff_meta",
+]

@@ -11,15 +11,16 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from ..errors import DeadlineError
 from ..consumer import Consumer
-from ..transfer import Arrival
+from ..errors import DeadlineError
 from ..layout import KVLayout
+from ..transfer import Arrival
 from .allocator import PagedPool, TokenAllocator, TokenBlocks
 
 log = logging.getLogger("kvxfer.runtime")
@@ -45,17 +46,17 @@ class Handoff:
     """A request whose KV is in the runtime's blocks. The blocks belong to the runtime until ``release``."""
 
     req: str
-    block_ids: np.ndarray          # destination block ids, in token order
-    num_tokens: int                # tokens of KV in those blocks
-    first_token: int | None        # the token prefill sampled, if the producer sent it
-    sampling: Any                  # opaque sampling metadata from the producer, passed through
-    meta: dict[str, Any]           # the producer's whole meta (parts of a multi-sender request merged)
+    block_ids: np.ndarray  # destination block ids, in token order
+    num_tokens: int  # tokens of KV in those blocks
+    first_token: int | None  # the token prefill sampled, if the producer sent it
+    sampling: Any  # opaque sampling metadata from the producer, passed through
+    meta: dict[str, Any]  # the producer's whole meta (parts of a multi-sender request merged)
     nbytes: int
-    seconds: float                 # admission to hand-off
+    seconds: float  # admission to hand-off
     gen: int
     peer: str
     timings: dict[str, float] = field(default_factory=dict)
-    verified: bool = False         # per-block digests came with the KV and matched (checked before hand-off)
+    verified: bool = False  # per-block digests came with the KV and matched (checked before hand-off)
 
 
 class ReceiveService:
@@ -73,11 +74,23 @@ class ReceiveService:
     passed to the ``Consumer``.
     """
 
-    def __init__(self, layout: KVLayout, allocator: TokenAllocator | None = None, *, transport: str = "auto",
-                 listen: str = "127.0.0.1:0", max_inflight: int = 64, max_pending: int | None = None,
-                 reserve_blocks: int = 0, deadline: float = 30.0, retry_after: float = 0.05,
-                 on_ready: Callable[[Handoff], None] | None = None, metrics: bool = True, registry=None,
-                 **consumer_options):
+    def __init__(
+        self,
+        layout: KVLayout,
+        allocator: TokenAllocator | None = None,
+        *,
+        transport: str = "auto",
+        listen: str = "127.0.0.1:0",
+        max_inflight: int = 64,
+        max_pending: int | None = None,
+        reserve_blocks: int = 0,
+        deadline: float = 30.0,
+        retry_after: float = 0.05,
+        on_ready: Callable[[Handoff], None] | None = None,
+        metrics: bool = True,
+        registry=None,
+        **consumer_options,
+    ):
         self.layout = layout
         self.block_size = layout.fingerprint.block_size
         self.allocator = allocator if allocator is not None else PagedPool(layout.num_blocks, self.block_size)
@@ -87,9 +100,18 @@ class ReceiveService:
         self.on_ready = on_ready
         self._ready: queue.Queue[Handoff] = queue.Queue()
         self.metrics = None
-        self.consumer = Consumer(layout, transport=transport, listen=listen, allocator=self.blocks,
-                                 deadline=deadline, max_inflight=max_inflight, retry_after=retry_after,
-                                 on_arrival=self._arrived, queue_arrivals=False, **consumer_options)
+        self.consumer = Consumer(
+            layout,
+            transport=transport,
+            listen=listen,
+            allocator=self.blocks,
+            deadline=deadline,
+            max_inflight=max_inflight,
+            retry_after=retry_after,
+            on_arrival=self._arrived,
+            queue_arrivals=False,
+            **consumer_options,
+        )
         if metrics:
             from .metrics import ServiceMetrics
 
@@ -131,7 +153,7 @@ class ReceiveService:
     def close(self) -> None:
         self.consumer.close()
 
-    def __enter__(self) -> "ReceiveService":
+    def __enter__(self) -> ReceiveService:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -146,14 +168,31 @@ class ReceiveService:
         capacity = len(a.block_ids) * self.block_size
         num_tokens = meta.get(NUM_TOKENS, capacity)
         if not isinstance(num_tokens, int) or not capacity - self.block_size < num_tokens <= capacity:
-            log.warning("kvxfer request %s: num_tokens %r does not fit its %d blocks; using %d",
-                        a.req, num_tokens, len(a.block_ids), capacity)
+            log.warning(
+                "kvxfer request %s: num_tokens %r does not fit its %d blocks; using %d",
+                a.req,
+                num_tokens,
+                len(a.block_ids),
+                capacity,
+            )
             num_tokens = capacity
         first = meta.get(FIRST_TOKEN)
         start = a.timings.get("admitted", a.timings.get("completed", time.monotonic()))
         seconds = max(0.0, a.timings.get("completed", time.monotonic()) - start)
-        h = Handoff(a.req, a.block_ids, num_tokens, first if isinstance(first, int) else None,
-                    meta.get(SAMPLING), meta, a.nbytes, seconds, a.gen, a.peer, dict(a.timings), bool(a.digests))
+        h = Handoff(
+            a.req,
+            a.block_ids,
+            num_tokens,
+            first if isinstance(first, int) else None,
+            meta.get(SAMPLING),
+            meta,
+            a.nbytes,
+            seconds,
+            a.gen,
+            a.peer,
+            dict(a.timings),
+            bool(a.digests),
+        )
         if self.metrics is not None:
             self.metrics.observe(seconds)
         if self.on_ready is not None:

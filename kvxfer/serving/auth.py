@@ -38,8 +38,11 @@ def unauthorized():
     """401 with an OpenAI-style error body."""
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                                   "code": 401}}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(
+        {"error": {"message": "missing or wrong bearer token", "type": "authentication_error", "code": 401}},
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def guarded(handler, token: str):

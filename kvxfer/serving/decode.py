@@ -41,25 +41,46 @@ def make_cache(layers: int, kv_heads: int, head_dim: int, block_size: int, num_b
     """A paged cache shaped like vLLM's CPU per-layer cache: ``[num_blocks, kv_heads, block_size, 2*head_dim]``."""
     import torch
 
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros((num_blocks, kv_heads, block_size, 2 * head_dim),
-                                                            dtype=getattr(torch, dtype)) for i in range(layers)}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            (num_blocks, kv_heads, block_size, 2 * head_dim), dtype=getattr(torch, dtype)
+        )
+        for i in range(layers)
+    }
 
 
 class DecodeEndpoint:
     """Hand-offs by request id, waited for by ``generate`` (which may come before or after the KV lands)."""
 
-    def __init__(self, caches: dict, *, transport: str = "auto", listen: str = "127.0.0.1:0", vocab: int = 512,
-                 max_inflight: int = 16, reserve_blocks: int = 0, deadline: float = 30.0, token_delay: float = 0.0,
-                 **options):
+    def __init__(
+        self,
+        caches: dict,
+        *,
+        transport: str = "auto",
+        listen: str = "127.0.0.1:0",
+        vocab: int = 512,
+        max_inflight: int = 16,
+        reserve_blocks: int = 0,
+        deadline: float = 30.0,
+        token_delay: float = 0.0,
+        **options,
+    ):
         self.caches = caches
         self.layout = KVLayout.from_tensors(caches)
         self.vocab = vocab
         self._cond = threading.Condition()
         self._ready: dict[str, tuple[Handoff, float]] = {}
         self._abandoned: dict[str, float] = {}  # req -> when its caller gave up; a late arrival is released
-        self.svc = ReceiveService(self.layout, transport=transport, listen=listen, max_inflight=max_inflight,
-                                  reserve_blocks=reserve_blocks, deadline=deadline, on_ready=self._on_ready,
-                                  **options)
+        self.svc = ReceiveService(
+            self.layout,
+            transport=transport,
+            listen=listen,
+            max_inflight=max_inflight,
+            reserve_blocks=reserve_blocks,
+            deadline=deadline,
+            on_ready=self._on_ready,
+            **options,
+        )
         self.generated = 0
         self.verified = 0
         self.token_delay = token_delay
@@ -100,11 +121,15 @@ class DecodeEndpoint:
                 gone = gone + 1 if seen and state is None else 0
                 seen = seen or state is not None
                 if state == "failed" or gone >= 2:  # twice: a slot moving between states reads None once
-                    error: KVXferError = PeerError(f"the KV transfer of request {req!r} failed here (cancelled, "
-                                                   "past its deadline, corrupt, or its producer went away)")
+                    error: KVXferError = PeerError(
+                        f"the KV transfer of request {req!r} failed here (cancelled, "
+                        "past its deadline, corrupt, or its producer went away)"
+                    )
                 elif not seen and admit_by is not None and now >= admit_by:
-                    error = TimeoutError(f"no producer started sending request {req!r} within {admit_timeout}s "
-                                         "(admission refused, or the transfer failed before reaching us)")
+                    error = TimeoutError(
+                        f"no producer started sending request {req!r} within {admit_timeout}s "
+                        "(admission refused, or the transfer failed before reaching us)"
+                    )
                 elif now >= end:
                     error = TimeoutError(f"KV of request {req!r} did not arrive within {timeout}s")
                 else:
@@ -146,10 +171,21 @@ class DecodeEndpoint:
     def info(self) -> dict:
         s = self.svc.stats()
         fp = self.layout.fingerprint
-        return {"kvxfer": self.svc.address, "transport": self.svc.transport, "free_blocks": self.svc.blocks.num_free,
-                "inflight": s["inflight"], "handed": s["handed"], "completed": s["completed"], "failed": s["failed"],
-                "rejected": s["rejected"], "generated": self.generated, "verified": self.verified,
-                "layers": fp.num_layers, "block_size": fp.block_size, "dtype": fp.dtype}
+        return {
+            "kvxfer": self.svc.address,
+            "transport": self.svc.transport,
+            "free_blocks": self.svc.blocks.num_free,
+            "inflight": s["inflight"],
+            "handed": s["handed"],
+            "completed": s["completed"],
+            "failed": s["failed"],
+            "rejected": s["rejected"],
+            "generated": self.generated,
+            "verified": self.verified,
+            "layers": fp.num_layers,
+            "block_size": fp.block_size,
+            "dtype": fp.dtype,
+        }
 
     def close(self) -> None:
         self._stop.set()
@@ -183,14 +219,21 @@ def build_app(ep: DecodeEndpoint, token: str = ""):
         count = max(int(body.get("max_tokens", 16)), 0)
         admit = body.get("admit_timeout")
         try:
-            h = await asyncio.to_thread(ep.claim, req, float(body.get("timeout", 30.0)),
-                                        None if admit is None else float(admit))
+            h = await asyncio.to_thread(
+                ep.claim, req, float(body.get("timeout", 30.0)), None if admit is None else float(admit)
+            )
         except KVXferError as e:
-            return JSONResponse({"error": {"code": e.code, "message": str(e)}},
-                                status_code=504 if isinstance(e, TimeoutError) else 502)
+            return JSONResponse(
+                {"error": {"code": e.code, "message": str(e)}}, status_code=504 if isinstance(e, TimeoutError) else 502
+            )
         toks = ep.tokens(h, first, count)
-        kv = {"blocks": len(h.block_ids), "num_tokens": h.num_tokens, "bytes": h.nbytes,
-              "verified": h.verified, "transfer_s": round(h.seconds, 6)}
+        kv = {
+            "blocks": len(h.block_ids),
+            "num_tokens": h.num_tokens,
+            "bytes": h.nbytes,
+            "verified": h.verified,
+            "transfer_s": round(h.seconds, 6),
+        }
 
         async def events():
             try:
@@ -208,10 +251,15 @@ def build_app(ep: DecodeEndpoint, token: str = ""):
         ep.generated += len(toks)
         return JSONResponse({"token_ids": toks, "text": "".join(f" w{t}" for t in toks), "kv": kv})
 
-    return Starlette(routes=[Route("/health", health), Route("/info", guarded(info, token)),
-                             Route("/metrics", guarded(metrics, token)),
-                             Route("/v1/reserve", guarded(reserve, token), methods=["POST"]),
-                             Route("/v1/generate", guarded(generate, token), methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/health", health),
+            Route("/info", guarded(info, token)),
+            Route("/metrics", guarded(metrics, token)),
+            Route("/v1/reserve", guarded(reserve, token), methods=["POST"]),
+            Route("/v1/generate", guarded(generate, token), methods=["POST"]),
+        ]
+    )
 
 
 def main(argv=None) -> None:
@@ -231,14 +279,23 @@ def main(argv=None) -> None:
     ap.add_argument("--etcd", help="host:port of etcd to register this endpoint in (lease-bound)")
     ap.add_argument("--etcd-prefix", default="/kvxfer/decode/")
     ap.add_argument("--public-url", help="the HTTP URL the router should use (default http://<--http>)")
-    ap.add_argument("--token", help=f"bearer token every route but /health wants (default: ${DECODE_TOKEN_ENV}; "
-                                    "none: open to anyone who can reach it)")
+    ap.add_argument(
+        "--token",
+        help=f"bearer token every route but /health wants (default: ${DECODE_TOKEN_ENV}; "
+        "none: open to anyone who can reach it)",
+    )
     args = ap.parse_args(argv)
     import uvicorn
 
     caches = make_cache(args.layers, args.kv_heads, args.head_dim, args.block_size, args.num_blocks, args.dtype)
-    ep = DecodeEndpoint(caches, transport=args.transport, listen=args.kvxfer, vocab=args.vocab,
-                        max_inflight=args.max_inflight, token_delay=args.token_delay)
+    ep = DecodeEndpoint(
+        caches,
+        transport=args.transport,
+        listen=args.kvxfer,
+        vocab=args.vocab,
+        max_inflight=args.max_inflight,
+        token_delay=args.token_delay,
+    )
     host, port = args.http.rsplit(":", 1)
     url = args.public_url or f"http://{args.http}"
     if args.etcd:

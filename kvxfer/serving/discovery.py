@@ -7,11 +7,12 @@ lease expires after ``ttl`` seconds and the key goes with it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("kvxfer.discovery")
 
@@ -37,15 +38,13 @@ def register_forever(address: str, prefix: str, url: str, info: Callable[[], dic
                     lease = client.lease(ttl)
                     client.put(key, json.dumps({"url": url, "kvxfer": info().get("kvxfer")}), lease=lease)
                 lease.refresh()
-            except Exception as e:  # noqa: BLE001 - etcd down: retry with a fresh lease
+            except Exception as e:  # etcd down: retry with a fresh lease
                 log.warning("etcd registration of %s failed: %s", url, e)
                 lease = None
             stop.wait(ttl / 3)
         if lease is not None:
-            try:
+            with contextlib.suppress(Exception):  # etcd gone too: the lease expires by its ttl
                 lease.revoke()
-            except Exception:  # noqa: BLE001
-                pass
 
     threading.Thread(target=loop, daemon=True, name="kvxfer-etcd-register").start()
     return stop

@@ -28,8 +28,19 @@ from .auth import DECODE_TOKEN_ENV, ROUTER_TOKEN_ENV, authorized, bearer, guarde
 log = logging.getLogger("kvxfer.router")
 
 ROUTE_HEADER = "x-kvxfer-route"
-HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-               "proxy-authorization", "proxy-authenticate", "trailer", ROUTE_HEADER}
+HOP_HEADERS = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "trailer",
+    ROUTE_HEADER,
+}
 SHIPPING = ("sending", "done")  # the connector's statuses under which the KV is on its way or has arrived
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty")
 
@@ -59,8 +70,14 @@ class _Held:
 class DecodePool:
     """The decode endpoints: a static list, or discovered in etcd; health-checked through ``/info``."""
 
-    def __init__(self, urls: list[str], etcd: str | None = None, prefix: str = "/kvxfer/decode/",
-                 interval: float = 1.0, token: str = ""):
+    def __init__(
+        self,
+        urls: list[str],
+        etcd: str | None = None,
+        prefix: str = "/kvxfer/decode/",
+        interval: float = 1.0,
+        token: str = "",
+    ):
         self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in urls}
         self.etcd, self.prefix, self.interval = etcd, prefix, interval
         self.headers = bearer(token)  # sent with every request to a decode endpoint
@@ -71,7 +88,7 @@ class DecodePool:
 
             try:
                 found = {e["url"].rstrip("/") for e in await asyncio.to_thread(list_endpoints, self.etcd, self.prefix)}
-            except Exception as e:  # noqa: BLE001 - keep the last known pool while etcd is unreachable
+            except Exception as e:  # keep the last known pool while etcd is unreachable
                 log.warning("etcd %s unreachable: %s", self.etcd, e)
             else:
                 for url in found - set(self.endpoints):
@@ -87,7 +104,7 @@ class DecodePool:
                 log.warning("decode endpoint %s refuses the router's token", ep.url)
             info = r.json()
             ep.kvxfer, ep.free_blocks, ep.alive = info["kvxfer"], int(info.get("free_blocks", 0)), True
-        except Exception:  # noqa: BLE001 - unreachable or garbage: not a candidate until it answers again
+        except Exception:  # unreachable or garbage: not a candidate until it answers again
             ep.alive = False
 
     def candidates(self) -> list[Endpoint]:
@@ -100,10 +117,22 @@ class DecodePool:
 
 
 class Router:
-    def __init__(self, prefill: str, regular: str | None, pool: DecodePool, *, policy: str = "header",
-                 alias: str | None = None, when_busy: str = "reject", when_failed: str = "error",
-                 prefill_timeout: float = 120.0, decode_timeout: float = 60.0, admit_timeout: float = 1.0,
-                 digests: bool = False, admin_token: str = ""):
+    def __init__(
+        self,
+        prefill: str,
+        regular: str | None,
+        pool: DecodePool,
+        *,
+        policy: str = "header",
+        alias: str | None = None,
+        when_busy: str = "reject",
+        when_failed: str = "error",
+        prefill_timeout: float = 120.0,
+        decode_timeout: float = 60.0,
+        admit_timeout: float = 1.0,
+        digests: bool = False,
+        admin_token: str = "",
+    ):
         import httpx
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -114,8 +143,9 @@ class Router:
         self.prefill_timeout, self.decode_timeout, self.admit_timeout = prefill_timeout, decode_timeout, admit_timeout
         self.digests = digests
         self.admin_token = admin_token
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(prefill_timeout, connect=5.0),
-                                        limits=httpx.Limits(max_connections=1000))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(prefill_timeout, connect=5.0), limits=httpx.Limits(max_connections=1000)
+        )
         self._background: set[asyncio.Task] = set()
         self.registry = CollectorRegistry()
         self.requests = Counter("kvxfer_router_requests", "Requests by route", ["route"], registry=self.registry)
@@ -139,23 +169,26 @@ class Router:
 
         self.requests.labels("regular").inc()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        upstream = self.client.build_request(request.method, f"{self.regular}{path}", content=content,
-                                             headers=headers, params=request.query_params)
+        upstream = self.client.build_request(
+            request.method, f"{self.regular}{path}", content=content, headers=headers, params=request.query_params
+        )
         try:
             resp = await self.client.send(upstream, stream=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.errors.labels("regular").inc()
             return _error(502, f"regular pool unreachable: {e}", "upstream_error")
         out = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}}
-        return StreamingResponse(resp.aiter_raw(), status_code=resp.status_code, headers=out,
-                                 background=BackgroundTask(resp.aclose))
+        return StreamingResponse(
+            resp.aiter_raw(), status_code=resp.status_code, headers=out, background=BackgroundTask(resp.aclose)
+        )
 
     async def _reserve(self, tokens: int) -> Endpoint | None:
         for ep in self.pool.candidates():
             try:
-                r = await self.client.post(f"{ep.url}/v1/reserve", json={"tokens": tokens}, headers=self.pool.headers,
-                                           timeout=2.0)
-            except Exception:  # noqa: BLE001 - dead since the last probe: skip it
+                r = await self.client.post(
+                    f"{ep.url}/v1/reserve", json={"tokens": tokens}, headers=self.pool.headers, timeout=2.0
+                )
+            except Exception:  # dead since the last probe: skip it
                 ep.alive = False
                 continue
             if r.status_code == 200:
@@ -196,8 +229,7 @@ class Router:
             return await self.proxy(request, path, content)
         return _error(502, message, "kv_transfer_error")
 
-    async def _low_latency(self, request, path: str, content: bytes, body: dict, chat: bool, budget: int,
-                           held: "_Held"):
+    async def _low_latency(self, request, path: str, content: bytes, body: dict, chat: bool, budget: int, held: _Held):
         import httpx
         from starlette.responses import JSONResponse, StreamingResponse
 
@@ -226,32 +258,51 @@ class Router:
         status = shipped.get("status")
         if status not in SHIPPING:
             why = f"status {status!r}: {shipped.get('error') or 'no reason given'}" if status else "no status"
-            return await self._transfer_failed(request, path, content,
-                                               f"the KV transfer to {ep.url} did not happen ({why})")
+            return await self._transfer_failed(
+                request, path, content, f"the KV transfer to {ep.url} did not happen ({why})"
+            )
         choice = pj["choices"][0]
         first_id = (choice.get("token_ids") or [None])[0]
         first_text = choice["message"].get("content", "") if chat else choice.get("text", "")
         remaining = budget - 1 if choice.get("finish_reason") == "length" and first_id is not None else 0
-        gen = {"req": rid, "first_token": first_id if first_id is not None else 0, "max_tokens": remaining,
-               "stream": True, "timeout": self.decode_timeout, "admit_timeout": self.admit_timeout,
-               "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body}}
-        base = {"id": pj.get("id", rid), "created": pj.get("created", int(time.time())), "model": pj.get("model"),
-                "kv_transfer_params": pj.get("kv_transfer_params")}
+        gen = {
+            "req": rid,
+            "first_token": first_id if first_id is not None else 0,
+            "max_tokens": remaining,
+            "stream": True,
+            "timeout": self.decode_timeout,
+            "admit_timeout": self.admit_timeout,
+            "sampling": {k: body[k] for k in SAMPLING_KEYS if k in body},
+        }
+        base = {
+            "id": pj.get("id", rid),
+            "created": pj.get("created", int(time.time())),
+            "model": pj.get("model"),
+            "kv_transfer_params": pj.get("kv_transfer_params"),
+        }
         resp = None
         if remaining:
             # wait for the decode endpoint to hold the KV before the first byte to the client, so a failed
             # transfer can still fall back or answer with an error status
             try:
-                resp = await self.client.send(self.client.build_request(
-                    "POST", f"{ep.url}/v1/generate", json=gen, headers=self.pool.headers,
-                    timeout=self.decode_timeout), stream=True)
+                resp = await self.client.send(
+                    self.client.build_request(
+                        "POST",
+                        f"{ep.url}/v1/generate",
+                        json=gen,
+                        headers=self.pool.headers,
+                        timeout=self.decode_timeout,
+                    ),
+                    stream=True,
+                )
             except httpx.HTTPError as e:
                 return await self._transfer_failed(request, path, content, f"decode endpoint {ep.url}: {e}")
             if resp.status_code != 200:
                 detail = (await resp.aread())[:300].decode(errors="replace")
                 await resp.aclose()
-                return await self._transfer_failed(request, path, content, f"decode endpoint {ep.url} answered "
-                                                                           f"{resp.status_code}: {detail}")
+                return await self._transfer_failed(
+                    request, path, content, f"decode endpoint {ep.url} answered {resp.status_code}: {detail}"
+                )
         elif first_id is not None:  # the prefill's answer is all of it; the hand-off only has to be given back
             self._spawn(self._discard(ep, dict(gen, stream=False)))
         self.ttft.labels("low_latency").observe(time.monotonic() - start)
@@ -278,13 +329,14 @@ class Router:
                 await resp.aclose()
 
         if body.get("stream"):
+
             async def sse():
                 first = True
                 try:
                     async for text, finish in tokens():
                         yield _chunk(base, chat, text, finish, first)
                         first = False
-                except Exception as e:  # noqa: BLE001 - end the client's stream with an error event, never hang
+                except Exception as e:  # end the client's stream with an error event, never hang
                     self.errors.labels("decode").inc()
                     error = {"error": {"message": f"decode failed: {e}", "type": "decode_error"}}
                     yield f"data: {json.dumps(error)}\n\n"
@@ -300,7 +352,7 @@ class Router:
             async for text, f in tokens():
                 pieces.append(text)
                 finish = f or finish
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.errors.labels("decode").inc()
             return _error(502, f"decode failed: {e}", "decode_error")
         finally:
@@ -312,8 +364,9 @@ class Router:
         import httpx
 
         try:
-            await self.client.post(f"{ep.url}/v1/generate", json=gen, headers=self.pool.headers,
-                                   timeout=self.decode_timeout)
+            await self.client.post(
+                f"{ep.url}/v1/generate", json=gen, headers=self.pool.headers, timeout=self.decode_timeout
+            )
         except httpx.HTTPError as e:
             log.info("giving back %s on %s failed: %s", gen["req"], ep.url, e)
 
@@ -357,10 +410,16 @@ class Router:
         async def passthrough(request):
             return await self.proxy(request, request.url.path, await request.body())
 
-        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                                 Route("/v1/chat/completions", chat, methods=["POST"]),
-                                 Route("/health", health), Route("/metrics", guarded(metrics, self.admin_token)),
-                                 Route("/v1/models", passthrough)], lifespan=lifespan)
+        return Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/health", health),
+                Route("/metrics", guarded(metrics, self.admin_token)),
+                Route("/v1/models", passthrough),
+            ],
+            lifespan=lifespan,
+        )
 
 
 def _json_or(r) -> dict:
@@ -373,8 +432,9 @@ def _json_or(r) -> dict:
 def _error(status: int, message: str, kind: str, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
+    )
 
 
 def _chunk(base: dict, chat: bool, text: str, finish, first: bool) -> str:
@@ -401,9 +461,15 @@ def _full(base: dict, chat: bool, text: str, finish: str, n: int, usage: dict) -
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     prompt = int(usage.get("prompt_tokens", 0))
-    return {"id": base["id"], "object": obj, "created": base["created"], "model": base["model"], "choices": [choice],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
-            "kv_transfer_params": base.get("kv_transfer_params")}
+    return {
+        "id": base["id"],
+        "object": obj,
+        "created": base["created"],
+        "model": base["model"],
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n},
+        "kv_transfer_params": base.get("kv_transfer_params"),
+    }
 
 
 def main(argv=None) -> None:
@@ -414,32 +480,60 @@ def main(argv=None) -> None:
     ap.add_argument("--decode", action="append", default=[], help="URL of a decode endpoint (repeatable)")
     ap.add_argument("--etcd", help="host:port of etcd to discover decode endpoints in")
     ap.add_argument("--etcd-prefix", default="/kvxfer/decode/")
-    ap.add_argument("--policy", choices=["header", "always", "never"], default="header",
-                    help=f"low-latency route: by the {ROUTE_HEADER} header or model alias, always, or never")
+    ap.add_argument(
+        "--policy",
+        choices=["header", "always", "never"],
+        default="header",
+        help=f"low-latency route: by the {ROUTE_HEADER} header or model alias, always, or never",
+    )
     ap.add_argument("--alias", help="a model name that selects the low-latency route")
-    ap.add_argument("--when-busy", choices=["reject", "fallback"], default="reject",
-                    help="all decode endpoints busy: 429 with Retry-After, or the regular pool")
-    ap.add_argument("--when-transfer-fails", choices=["error", "fallback"], default="error",
-                    help="the KV transfer failed or was refused: 502 with an error body, or the regular pool")
+    ap.add_argument(
+        "--when-busy",
+        choices=["reject", "fallback"],
+        default="reject",
+        help="all decode endpoints busy: 429 with Retry-After, or the regular pool",
+    )
+    ap.add_argument(
+        "--when-transfer-fails",
+        choices=["error", "fallback"],
+        default="error",
+        help="the KV transfer failed or was refused: 502 with an error body, or the regular pool",
+    )
     ap.add_argument("--prefill-timeout", type=float, default=120.0)
     ap.add_argument("--decode-timeout", type=float, default=60.0)
-    ap.add_argument("--admit-timeout", type=float, default=1.0,
-                    help="seconds after the prefill answered within which the decode endpoint must have admitted "
-                         "the KV transfer; later counts as failed")
+    ap.add_argument(
+        "--admit-timeout",
+        type=float,
+        default=1.0,
+        help="seconds after the prefill answered within which the decode endpoint must have admitted "
+        "the KV transfer; later counts as failed",
+    )
     ap.add_argument("--digests", action="store_true", help="ask the connector for per-block integrity digests")
     ap.add_argument("--decode-token", help=f"bearer token of the decode endpoints (default: ${DECODE_TOKEN_ENV})")
-    ap.add_argument("--admin-token", help=f"bearer token for /metrics and the pool in /health (default: "
-                                          f"${ROUTER_TOKEN_ENV}; none: open)")
+    ap.add_argument(
+        "--admin-token",
+        help=f"bearer token for /metrics and the pool in /health (default: ${ROUTER_TOKEN_ENV}; none: open)",
+    )
     args = ap.parse_args(argv)
     import uvicorn
 
-    pool = DecodePool(args.decode, etcd=args.etcd, prefix=args.etcd_prefix,
-                      token=resolve(args.decode_token, DECODE_TOKEN_ENV))
-    router = Router(args.prefill, args.regular, pool, policy=args.policy, alias=args.alias,
-                    when_busy=args.when_busy, when_failed=args.when_transfer_fails,
-                    prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
-                    admit_timeout=args.admit_timeout, digests=args.digests,
-                    admin_token=resolve(args.admin_token, ROUTER_TOKEN_ENV))
+    pool = DecodePool(
+        args.decode, etcd=args.etcd, prefix=args.etcd_prefix, token=resolve(args.decode_token, DECODE_TOKEN_ENV)
+    )
+    router = Router(
+        args.prefill,
+        args.regular,
+        pool,
+        policy=args.policy,
+        alias=args.alias,
+        when_busy=args.when_busy,
+        when_failed=args.when_transfer_fails,
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        admit_timeout=args.admit_timeout,
+        digests=args.digests,
+        admin_token=resolve(args.admin_token, ROUTER_TOKEN_ENV),
+    )
     host, port = args.listen.rsplit(":", 1)
     uvicorn.run(router.app(), host=host, port=int(port), log_level="warning")
 

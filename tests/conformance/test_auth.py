@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from kvxfer import AuthError, ConfigError, Consumer, Producer, handshake, wire
@@ -14,7 +14,7 @@ from kvxfer.channel import Channel, parse_address
 
 from .conftest import SENTINEL
 from .kvspec import Spec
-from .peers import PeerError, wait_for
+from .peers import wait_for
 from .rawpeer import RawPeer
 
 TOKEN = "correct horse battery staple"
@@ -27,7 +27,7 @@ class Recorder:
         self.target = parse_address(target)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.up: list[bytes] = []    # producer -> consumer, per connection
+        self.up: list[bytes] = []  # producer -> consumer, per connection
         self.down: list[bytes] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -54,16 +54,14 @@ class Recorder:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def frames(self, stream: bytes) -> list[bytes]:
         out, i = [], 0
         while i + 4 <= len(stream):
-            n = int.from_bytes(stream[i:i + 4], "big")
-            out.append(stream[i + 4:i + 4 + n])
+            n = int.from_bytes(stream[i : i + 4], "big")
+            out.append(stream[i + 4 : i + 4 + n])
             i += 4 + n
         return out
 

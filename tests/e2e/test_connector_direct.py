@@ -14,7 +14,7 @@ import pytest
 from .conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-from vllm_consumer import CacheSpec, ConsumerProcess  # noqa: E402
+from vllm_consumer import CacheSpec, ConsumerProcess
 
 pytestmark = pytest.mark.e2e
 # the server's cache: 2 layers, 2 KV heads, head_dim 32 (C = 64), 128 tokens per block, bf16
@@ -43,8 +43,18 @@ def consumer():
 
 
 def test_completion_ships_real_kv_with_digests(vllm_server, consumer):
-    body = complete(vllm_server, words(300), {"kvxfer": {"consumer": consumer.address, "request_id": "direct-1",
-                                                         "digests": True, "meta": {"route": "test"}}})
+    body = complete(
+        vllm_server,
+        words(300),
+        {
+            "kvxfer": {
+                "consumer": consumer.address,
+                "request_id": "direct-1",
+                "digests": True,
+                "meta": {"route": "test"},
+            }
+        },
+    )
     p = body["kv_transfer_params"]["kvxfer"]
     assert set(body["kv_transfer_params"]) == {"kvxfer"}
     n = p["num_tokens"]

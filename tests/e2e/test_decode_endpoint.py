@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from conformance.kvspec import Spec
 from runtime_peers import Sender
 
@@ -19,8 +18,13 @@ TOKEN = "decode-secret-7f3a"
 # the endpoint's cache as the producer sees it: [num_blocks, kv_heads, block_size, 2*head_dim] per layer, bf16
 SPEC = Spec(kind="hnd", num_blocks=8, layers=2, heads=2, block_size=128, head_dim=32, dtype="bfloat16", lib="torch")
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-BAD = [{}, {"authorization": "Bearer wrong-token"}, {"authorization": f"Basic {TOKEN}"},
-       {"authorization": f"Bearer {TOKEN}x"}, {"authorization": TOKEN}]
+BAD = [
+    {},
+    {"authorization": "Bearer wrong-token"},
+    {"authorization": f"Basic {TOKEN}"},
+    {"authorization": f"Bearer {TOKEN}x"},
+    {"authorization": TOKEN},
+]
 
 
 @pytest.fixture
@@ -29,8 +33,9 @@ def endpoint(logs, request):
 
     def start(*extra: str, token: str | None = TOKEN) -> str:
         env = {"KVXFER_DECODE_TOKEN": token} if token else None
-        p, url = start_decode(logs, f"decode-{request.node.name}-{len(procs)}", "--num-blocks", str(SPEC.num_blocks),
-                              *extra, env=env)
+        p, url = start_decode(
+            logs, f"decode-{request.node.name}-{len(procs)}", "--num-blocks", str(SPEC.num_blocks), *extra, env=env
+        )
         procs.append(p)
         return url
 
@@ -118,9 +123,22 @@ def test_a_transfer_that_fails_after_admission_fails_the_generate_at_once(endpoi
         doomed.push(address, "doomed", [1, 2, 3], meta={"num_tokens": 300}, wait=False)
         with httpx.Client(timeout=30) as client:
             answer = {}
-            waiter = threading.Thread(target=lambda: answer.update(r=client.post(
-                f"{url}/v1/generate", headers=AUTH, json={"req": "doomed", "first_token": 1, "max_tokens": 2,
-                                                          "stream": False, "timeout": 30, "admit_timeout": 5})))
+            waiter = threading.Thread(
+                target=lambda: answer.update(
+                    r=client.post(
+                        f"{url}/v1/generate",
+                        headers=AUTH,
+                        json={
+                            "req": "doomed",
+                            "first_token": 1,
+                            "max_tokens": 2,
+                            "stream": False,
+                            "timeout": 30,
+                            "admit_timeout": 5,
+                        },
+                    )
+                )
+            )
             waiter.start()
             deadline = time.monotonic() + 10
             while info(url)["inflight"] != 1 and time.monotonic() < deadline:

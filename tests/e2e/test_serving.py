@@ -76,8 +76,12 @@ def _totals(urls):
 
 def test_low_latency_completion_ships_kv_and_decodes(router, pool):
     before = _totals(pool)
-    r = httpx.post(f"{router}/v1/completions", headers=LOW, timeout=120,
-                   json={"model": "tiny", "prompt": prompt(40), "max_tokens": 8, "temperature": 0})
+    r = httpx.post(
+        f"{router}/v1/completions",
+        headers=LOW,
+        timeout=120,
+        json={"model": "tiny", "prompt": prompt(40), "max_tokens": 8, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["choices"][0]["text"].split()) == 8
@@ -91,9 +95,18 @@ def test_low_latency_completion_ships_kv_and_decodes(router, pool):
 
 def test_low_latency_streaming_chat(router, pool):
     before = _totals(pool)
-    with httpx.stream("POST", f"{router}/v1/chat/completions", headers=LOW, timeout=120,
-                      json={"model": "tiny", "messages": [{"role": "user", "content": prompt(30, 50)}],
-                            "max_tokens": 6, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{router}/v1/chat/completions",
+        headers=LOW,
+        timeout=120,
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": prompt(30, 50)}],
+            "max_tokens": 6,
+            "stream": True,
+        },
+    ) as r:
         assert r.status_code == 200
         events = sse(r)
     assert events[-1] == "[DONE]"
@@ -106,8 +119,9 @@ def test_low_latency_streaming_chat(router, pool):
 
 def test_plain_request_bypasses_kvxfer(router, pool):
     before = _totals(pool)
-    r = httpx.post(f"{router}/v1/completions", timeout=120,
-                   json={"model": "tiny", "prompt": prompt(20), "max_tokens": 4})
+    r = httpx.post(
+        f"{router}/v1/completions", timeout=120, json={"model": "tiny", "prompt": prompt(20), "max_tokens": 4}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["system_fingerprint"].startswith("vllm") and not body.get("kv_transfer_params")
@@ -115,8 +129,12 @@ def test_plain_request_bypasses_kvxfer(router, pool):
 
 
 def test_prefill_error_reaches_the_client(router):
-    r = httpx.post(f"{router}/v1/completions", headers=LOW, timeout=120,
-                   json={"model": "tiny", "prompt": prompt(1500), "max_tokens": 4})
+    r = httpx.post(
+        f"{router}/v1/completions",
+        headers=LOW,
+        timeout=120,
+        json={"model": "tiny", "prompt": prompt(1500), "max_tokens": 4},
+    )
     assert r.status_code == 400 and "error" in r.json()
 
 
@@ -126,14 +144,22 @@ def test_busy_endpoint_is_skipped_then_all_busy_is_429(vllm_server, logs):
     proc, url = start_router(logs, "router-busy", vllm_server, "--decode", small_url, "--decode", big_url)
     try:
         wait_until(lambda: len(decode_endpoints(url)) == 2)
-        r = httpx.post(f"{url}/v1/completions", headers=LOW, timeout=120,
-                       json={"model": "tiny", "prompt": prompt(300), "max_tokens": 3})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers=LOW,
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt(300), "max_tokens": 3},
+        )
         assert r.status_code == 200, r.text
         assert info(small_url)["completed"] == 0 and info(big_url)["completed"] == 1
         big.kill()
         wait_until(lambda: decode_endpoints(url) == [small_url])
-        r = httpx.post(f"{url}/v1/completions", headers=LOW, timeout=120,
-                       json={"model": "tiny", "prompt": prompt(300), "max_tokens": 3})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers=LOW,
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt(300), "max_tokens": 3},
+        )
         assert r.status_code == 429 and r.headers.get("retry-after")
     finally:
         for p in (proc, small, big):
@@ -147,8 +173,13 @@ def test_decode_endpoint_killed_mid_stream_ends_the_stream_with_an_error(vllm_se
         wait_until(lambda: len(decode_endpoints(url)) == 1)
         start = time.monotonic()
         events = []
-        with httpx.stream("POST", f"{url}/v1/completions", headers=LOW, timeout=60,
-                          json={"model": "tiny", "prompt": prompt(20), "max_tokens": 40, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            headers=LOW,
+            timeout=60,
+            json={"model": "tiny", "prompt": prompt(20), "max_tokens": 40, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -168,8 +199,12 @@ def test_etcd_backed_pool(vllm_server, etcd, logs):
     proc, url = start_router(logs, "router-etcd", vllm_server, "--etcd", etcd)
     try:
         wait_until(lambda: decode_endpoints(url) == [ep_url])
-        r = httpx.post(f"{url}/v1/completions", headers=LOW, timeout=120,
-                       json={"model": "tiny", "prompt": prompt(25), "max_tokens": 5})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers=LOW,
+            timeout=120,
+            json={"model": "tiny", "prompt": prompt(25), "max_tokens": 5},
+        )
         assert r.status_code == 200, r.text
         assert info(ep_url)["completed"] == 1
         ep.kill()  # its lease expires and the key goes with it
@@ -190,13 +225,24 @@ def test_router_admin_endpoints_want_the_admin_token(router, pool):
 
 def test_router_without_the_decode_token_has_no_decode_endpoints(vllm_server, pool, logs):
     """The pool's endpoints refuse a router that does not present their token: it never routes to them."""
-    proc, url = start_router(logs, "router-no-token", vllm_server, *[a for u in pool for a in ("--decode", u)],
-                             "--decode-token", "not-the-token", env={"KVXFER_ROUTER_TOKEN": ADMIN_TOKEN})
+    proc, url = start_router(
+        logs,
+        "router-no-token",
+        vllm_server,
+        *[a for u in pool for a in ("--decode", u)],
+        "--decode-token",
+        "not-the-token",
+        env={"KVXFER_ROUTER_TOKEN": ADMIN_TOKEN},
+    )
     try:
         time.sleep(2.5)  # two probe rounds
         assert decode_endpoints(url) == []
-        r = httpx.post(f"{url}/v1/completions", headers=LOW, timeout=30,
-                       json={"model": "tiny", "prompt": prompt(20), "max_tokens": 3})
+        r = httpx.post(
+            f"{url}/v1/completions",
+            headers=LOW,
+            timeout=30,
+            json={"model": "tiny", "prompt": prompt(20), "max_tokens": 3},
+        )
         assert r.status_code == 429, r.text
     finally:
         proc.kill()
@@ -205,23 +251,29 @@ def test_router_without_the_decode_token_has_no_decode_endpoints(vllm_server, po
 # A transfer that will not complete, learnt two ways: the connector refuses the claim and says so in the prefill's
 # answer (a consumer outside its allowed_consumers), or the decode endpoint never admits it (its cache does not
 # match the model's: the producer's handshake is refused) and says so once --admit-timeout has passed.
-REFUSALS = {"refused_by_the_connector": ("--kvxfer", "127.0.0.2:0"),
-            "refused_by_the_decode_endpoint": ("--dtype", "float32")}
+REFUSALS = {
+    "refused_by_the_connector": ("--kvxfer", "127.0.0.2:0"),
+    "refused_by_the_decode_endpoint": ("--dtype", "float32"),
+}
 
 
 @pytest.mark.parametrize("refusal", sorted(REFUSALS))
 @pytest.mark.parametrize("mode", ["error", "fallback"])
 def test_failed_transfer_is_answered_within_2s(vllm_server, logs, refusal, mode):
     ep, ep_url = start_decode(logs, f"decode-{refusal}-{mode}", "--num-blocks", "32", *REFUSALS[refusal])
-    proc, url = start_router(logs, f"router-{refusal}-{mode}", vllm_server, "--decode", ep_url,
-                             "--when-transfer-fails", mode)
+    proc, url = start_router(
+        logs, f"router-{refusal}-{mode}", vllm_server, "--decode", ep_url, "--when-transfer-fails", mode
+    )
     try:
         wait_until(lambda: decode_endpoints(url) == [ep_url])
         for stream in (False, True):
             start = time.monotonic()
-            r = httpx.post(f"{url}/v1/completions", headers=LOW, timeout=120,
-                           json={"model": "tiny", "prompt": prompt(40, 7 + stream), "max_tokens": 4,
-                                 "stream": stream})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                headers=LOW,
+                timeout=120,
+                json={"model": "tiny", "prompt": prompt(40, 7 + stream), "max_tokens": 4, "stream": stream},
+            )
             elapsed = time.monotonic() - start
             assert elapsed < 2.0, (refusal, mode, stream, elapsed)
             if mode == "error":

@@ -32,8 +32,9 @@ __all__ = ["TcpLink", "TcpTransport"]
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, layout, host, *, streams: int = 1, window_min: int = 8 << 20,
-                 tls: ssl.SSLContext | None = None, **_):
+    def __init__(
+        self, layout, host, *, streams: int = 1, window_min: int = 8 << 20, tls: ssl.SSLContext | None = None, **_
+    ):
         super().__init__(layout, host)
         self.tls = tls  # a producer's client context: its data connections are TLS too
         if any(r.device != HOST for r in layout.regions):
@@ -47,7 +48,10 @@ class TcpTransport(Transport):
 
     def views(self, ext: Extents) -> list[memoryview]:
         bufs = self.bufs
-        return [bufs[r][o:o + n] for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist())]
+        return [
+            bufs[r][o : o + n]
+            for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True)
+        ]
 
     def connect(self, peer: Peer) -> TcpLink:
         link = TcpLink(self, peer)

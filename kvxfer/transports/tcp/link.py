@@ -4,12 +4,15 @@ registered memory."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import select
 import socket
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -19,7 +22,7 @@ from ...errors import CancelledError, KVXferError, PeerError, ProtocolError, fro
 from ...handshake import data_hello
 from ...plan import Extents, extents
 from ...sockets import connect, mapped, recv_views, send_views
-from ..base import Link, Peer
+from ..base import Link, Peer, ReadHost, WriteHost
 from . import windows
 from .pool import POLL, Connections
 
@@ -54,7 +57,7 @@ def _wait_readable(sock: socket.socket, check: Callable[[], None]) -> None:
 
 
 class TcpLink(Link):
-    def __init__(self, transport: "TcpTransport", peer: Peer):
+    def __init__(self, transport: TcpTransport, peer: Peer):
         self.t = transport
         self.peer = peer
         self.conns = Connections(self._dial, transport.streams)
@@ -94,11 +97,18 @@ class TcpLink(Link):
             if self.closed:
                 raise PeerError("link closed")
             remaining(deadline)
+
         return check
 
     def _stopped_if_closed(self) -> None:
         if self.closed:
             raise PeerError("link closed")
+
+    def _ticket_live(self, ticket) -> None:
+        """A receive goes on while its grant holds (a failed request stops it) and the link is open."""
+        if ticket.error is not None:
+            raise ticket.error
+        self._stopped_if_closed()
 
     def _streams(self, ext: Extents) -> list[tuple[int, int]]:
         return windows.split(ext.total, min(self.t.streams, max(1, ext.total // self.t.window_min)))
@@ -117,7 +127,7 @@ class TcpLink(Link):
             try:
                 ch.send(wire.WriteData(req=req, gen=gen, ids=ids, offset=offset, length=length))
                 views = self.t.views(ext.window(offset, length))
-                self.t.watchdog.guarded(ch.sock, check, lambda: send_views(ch.sock, views))
+                self.t.watchdog.guarded(ch.sock, check, functools.partial(send_views, ch.sock, views))
                 _wait_readable(ch.sock, check)
                 reply = ch.recv(remaining(deadline))
             except BaseException:
@@ -135,7 +145,7 @@ class TcpLink(Link):
     # ---- push: consumer side -------------------------------------------------------------------------------
     def serve_writes(self, ch: Channel) -> None:
         """Receive ``WriteData`` windows into granted blocks until the connection ends."""
-        host, sock = self.t.host, ch.sock
+        host, sock = cast(WriteHost, self.t.host), ch.sock
         try:
             self.conns.track(ch)
             while not self.closed:
@@ -153,23 +163,18 @@ class TcpLink(Link):
                     continue
                 try:
                     # the grant decides the bytes
-                    window = windows.checked(self._extents(ids, getattr(ticket, "layers", None)), msg.offset,
-                                             msg.length)
-
-                    def check():
-                        if ticket.error is not None:
-                            raise ticket.error
-                        self._stopped_if_closed()
+                    window = windows.checked(
+                        self._extents(ids, getattr(ticket, "layers", None)), msg.offset, msg.length
+                    )
 
                     views = self.t.views(window)
-                    self.t.watchdog.guarded(sock, check, lambda: recv_views(sock, views))
+                    check = functools.partial(self._ticket_live, ticket)
+                    self.t.watchdog.guarded(sock, check, functools.partial(recv_views, sock, views))
                 except KVXferError as e:
                     host.end_write(ticket, 0, e)
                     if not isinstance(e, PeerError):
-                        try:
+                        with contextlib.suppress(KVXferError):
                             ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
-                        except KVXferError:
-                            pass
                     return
                 host.end_write(ticket, msg.length, None)
                 ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
@@ -185,7 +190,8 @@ class TcpLink(Link):
         check = self._checker(deadline, cancel)
 
         def one(offset: int, length: int) -> None:
-            ch: Channel | None = self.conns.pull(check)
+            ch = self.conns.pull(check)
+            reusable = False  # a connection that failed mid-read is dropped; a refusal leaves it in step
             try:
                 ch.send(wire.ReadData(req=req, gen=gen, ids=ids, offset=offset, length=length))
                 _wait_readable(ch.sock, check)
@@ -193,25 +199,25 @@ class TcpLink(Link):
                 if not isinstance(reply, wire.DataReply):
                     raise ProtocolError(f"unexpected {type(reply).__name__} on a pull connection")
                 if not reply.ok:
-                    self.conns.pulls.put(ch)
-                    ch = None
+                    reusable = True
                     raise from_code(reply.code, reply.message)
                 if reply.length != length:
                     raise ProtocolError(f"asked for {length} bytes, peer sends {reply.length}")
                 views = self.t.views(ext.window(offset, length))
-                self.t.watchdog.guarded(ch.sock, check, lambda: recv_views(ch.sock, views))
-            except BaseException:
-                if ch is not None:
+                self.t.watchdog.guarded(ch.sock, check, functools.partial(recv_views, ch.sock, views))
+                reusable = True
+            finally:
+                if reusable:
+                    self.conns.pulls.put(ch)
+                else:
                     self.conns.drop(ch)
-                raise
-            self.conns.pulls.put(ch)
 
         return windows.run_all(one, self._streams(ext))
 
     # ---- pull: producer side -------------------------------------------------------------------------------
     def serve_reads(self, ch: Channel) -> None:
         """Answer ``ReadData`` requests from offered blocks; reopen a connection that broke."""
-        host, sock = self.t.host, ch.sock
+        host, sock = cast(ReadHost, self.t.host), ch.sock
         try:
             while not self.closed:
                 with mapped("waiting for a read"):
@@ -233,7 +239,7 @@ class TcpLink(Link):
                 try:
                     ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
                     views = self.t.views(window)
-                    self.t.watchdog.guarded(sock, self._stopped_if_closed, lambda: send_views(sock, views))
+                    self.t.watchdog.guarded(sock, self._stopped_if_closed, functools.partial(send_views, sock, views))
                 except KVXferError as e:
                     host.end_read(ticket, 0, e)
                     raise

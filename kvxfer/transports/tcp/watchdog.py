@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ...errors import KVXferError
 from ...sockets import mapped, shutdown
@@ -51,7 +51,7 @@ class Watchdog:
             for token, (sock, check) in items:
                 try:
                     check()
-                except BaseException as e:  # noqa: BLE001 - any reason to stop is recorded for the mover
+                except BaseException as e:  # any reason to stop is recorded for the mover
                     with self._lock:
                         if self._items.pop(token, None) is None:
                             continue
@@ -60,18 +60,19 @@ class Watchdog:
 
     def guarded(self, sock: socket.socket, check: Callable[[], None], move: Callable[[], None]) -> None:
         """Run ``move()`` on ``sock`` in blocking mode, stopped early (with ``check``'s error) if it must."""
-        token: int | None = self.watch(sock, check)
+        token = self.watch(sock, check)
+        watching = True
         try:
             with mapped("moving data"):
                 sock.settimeout(None)
             move()
         except KVXferError:
-            why, token = self.unwatch(token), None
+            why, watching = self.unwatch(token), False
             if why is not None:
                 raise why from None
             raise
         finally:
-            if token is not None:
+            if watching:
                 why = self.unwatch(token)
                 if why is not None:  # fired as the move ended: the socket is shut, the caller drops it
                     raise why

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -14,7 +15,7 @@ from ...plan import Extents
 def split(total: int, k: int) -> list[tuple[int, int]]:
     """``k`` nearly equal (offset, length) windows of ``total`` bytes (fewer when ``total`` is small)."""
     cuts = np.linspace(0, total, k + 1).astype(np.int64).tolist()
-    return [(a, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b - a) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def run_all(fn: Callable[[int, int], None], windows: list[tuple[int, int]]) -> int:
@@ -26,7 +27,7 @@ def run_all(fn: Callable[[int, int], None], windows: list[tuple[int, int]]) -> i
     def run(w: tuple[int, int]) -> None:
         try:
             fn(*w)
-        except BaseException as e:  # noqa: BLE001 - re-raised below in the caller's thread
+        except BaseException as e:  # re-raised below in the caller's thread
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(w,), daemon=True, name="kvxfer-tcp-window") for w in windows[1:]]
