@@ -5,16 +5,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer import wire
-
 from conftest import MILLION, fake_layout
+from kvxfer import wire
 
 
 @pytest.fixture(scope="module")
 def hello():
     layout = fake_layout(16384, layers=32)
-    return wire.Hello(version=wire.VERSION, peer_id="prefill-0", layout=layout.desc(), transport="tcp",
-                      transport_meta=b"x" * 4096, auth="token")
+    return wire.Hello(
+        version=wire.VERSION,
+        peer_id="prefill-0",
+        layout=layout.desc(),
+        transport="tcp",
+        transport_meta=b"x" * 4096,
+        auth="token",
+    )
 
 
 def test_encode_hello(benchmark, hello):

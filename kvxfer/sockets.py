@@ -8,9 +8,10 @@ is a ``DeadlineError``, a reset, refused or closed connection a ``PeerError``, a
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import ConfigError, DeadlineError, KVXferError, PeerError, TransportError
 
@@ -37,17 +38,13 @@ def mapped(what: str) -> Iterator[None]:
 
 def shutdown(sock: socket.socket) -> None:
     """Stop both directions now (a blocked ``sendmsg`` / ``recvmsg_into`` returns); a dead socket is fine."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.close()
-    except OSError:
-        pass
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -65,7 +62,7 @@ def connect(address: str, timeout: float) -> socket.socket:
     where = parse_address(address)
     try:
         sock = socket.create_connection(where, timeout=timeout)
-    except socket.timeout:
+    except TimeoutError:
         raise DeadlineError(f"connecting to {address} timed out after {timeout:.1f}s") from None
     except OSError as e:
         raise PeerError(f"cannot connect to {address}: {e.strerror or e}") from None
@@ -102,7 +99,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
     i, n = 0, len(views)
     with mapped("sending data"):
         while i < n:
-            batch = views[i:i + IOV_MAX]
+            batch = views[i : i + IOV_MAX]
             i = _advance(views, i, batch, sock.sendmsg(batch))
 
 
@@ -111,7 +108,7 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
     i, n = 0, len(views)
     with mapped("receiving data"):
         while i < n:
-            batch = views[i:i + IOV_MAX]
+            batch = views[i : i + IOV_MAX]
             got = sock.recvmsg_into(batch)[0]
             if got == 0:
                 raise PeerError("connection closed by peer mid-transfer")

@@ -24,7 +24,7 @@ either Cancel(req, gen) from either side; Error(req, code, message) on any failu
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Union
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -50,10 +50,17 @@ Secret = Annotated[bytes, msgspec.Meta(max_length=64)]  # nonces and MACs
 
 def _json_like(depth: int):
     """A JSON-like value nesting at most ``depth`` containers of at most ``META_ITEMS`` entries each."""
-    t = Union[None, bool, int, float, str]
+    t = None | bool | int | float | str
     for _ in range(depth):
-        t = Union[None, bool, int, float, str, Annotated[list[t], msgspec.Meta(max_length=META_ITEMS)],
-                  Annotated[dict[str, t], msgspec.Meta(max_length=META_ITEMS)]]
+        t = (
+            None
+            | bool
+            | int
+            | float
+            | str
+            | Annotated[list[t], msgspec.Meta(max_length=META_ITEMS)]
+            | Annotated[dict[str, t], msgspec.Meta(max_length=META_ITEMS)]
+        )
     return t
 
 
@@ -153,7 +160,7 @@ class Admit(_Msg, tag="admit"):
     meta: Meta = {}
     senders: U32 = 1
     part: U32 = 0
-    layers: Union[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)], None] = None
+    layers: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)] | None = None
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
 
 
@@ -263,8 +270,25 @@ class DataReply(_Msg, tag="data_reply"):
     message: str = ""
 
 
-Message = Union[Hello, Challenge, Proof, Welcome, Admit, Grant, Busy, Offer, Done, Released, Ack, Cancel, Error,
-                DataHello, WriteData, ReadData, DataReply]
+Message = (
+    Hello
+    | Challenge
+    | Proof
+    | Welcome
+    | Admit
+    | Grant
+    | Busy
+    | Offer
+    | Done
+    | Released
+    | Ack
+    | Cancel
+    | Error
+    | DataHello
+    | WriteData
+    | ReadData
+    | DataReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -297,7 +321,7 @@ def _tag_first(body) -> bool:
         return False
     b = head[0]
     skip = 1 if 0x80 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else 0
-    return bool(skip) and body[skip:skip + 2] == b"\xa1t"
+    return bool(skip) and body[skip : skip + 2] == b"\xa1t"
 
 
 def decode(body: bytes) -> _Msg:

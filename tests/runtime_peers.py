@@ -4,6 +4,7 @@ duplicate Done)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -68,10 +69,8 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
 
 
 def _quiet(fn) -> None:
-    try:
+    with contextlib.suppress(Exception):  # "wait" reports the transfer's own error
         fn()
-    except Exception:  # noqa: BLE001 - "wait" reports the transfer's own error
-        pass
 
 
 class Sender(PipedProcess):
@@ -85,4 +84,3 @@ class Sender(PipedProcess):
 
     def push(self, address, req, ids, wait=True, retry=False, **kwargs):
         return self.call("push", address, req, list(map(int, ids)), kwargs, wait, retry)
-

@@ -7,6 +7,7 @@ NIXL baseline, and the byte-exact verification of every arrival against the seed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -25,7 +26,7 @@ from .patterns import PatternAllocator
 
 
 def usable(name: str) -> str:
-    """"" when transport ``name`` can run in this process, else why not."""
+    """ "" when transport ``name`` can run in this process, else why not."""
     try:
         cls = transports.get(name)
         probe = getattr(cls, "usable", None)
@@ -34,7 +35,7 @@ def usable(name: str) -> str:
             if name == "nixl" and not baselines.nixl_importable():
                 hint = ": no NIXL Python package (pip install 'kvxfer[nixl]')"
             return f"transport {name!r} cannot run here{hint}"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return str(e)
     return ""
 
@@ -68,7 +69,7 @@ class ConsumerHalf:
         while True:
             try:
                 msg = self.ctl.recv(None)
-            except Exception:  # noqa: BLE001 - the driver went away: nothing left to serve
+            except Exception:  # the driver went away: nothing left to serve
                 break
             op = msg.pop("op", "")
             if op == "quit":
@@ -79,28 +80,30 @@ class ConsumerHalf:
                 if handler is None:
                     raise ValueError(f"unknown op {op!r}")
                 reply = handler(**msg) or {}
-            except Exception as e:  # noqa: BLE001 - every failure goes back to the driver
+            except Exception as e:  # every failure goes back to the driver
                 reply = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
             try:
                 self.ctl.send(reply)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 break
         self.shutdown()
 
     def shutdown(self) -> None:
         for close in (self.op_close, self.op_socket_close, self.op_nixl_close):
-            try:
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:  # noqa: BLE001
-                pass
         self.ctl.close()
 
     # ---- ops -----------------------------------------------------------------------------------------------
     def op_hello(self, transports: list) -> dict:
         """Who we are, and which of the driver's ``transports`` can run here (nixl is imported only if asked)."""
-        return {"pid": os.getpid(), "boot_id": boot_id(), "python": sys.version.split()[0],
-                "missing": {n: why for n in transports if (why := usable(n))},
-                "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False}
+        return {
+            "pid": os.getpid(),
+            "boot_id": boot_id(),
+            "python": sys.version.split()[0],
+            "missing": {n: why for n in transports if (why := usable(n))},
+            "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False,
+        }
 
     def op_setup(self, geometry: dict, src_blocks: int, dst_blocks: int, seed: int) -> dict:
         self.op_close()
@@ -117,8 +120,15 @@ class ConsumerHalf:
     def op_open(self, transport: str, options: dict, deadline: float) -> dict:
         self.op_close()
         listen = f"{self.host}:0" if ":" not in self.host else f"[{self.host}]:0"
-        self.consumer = Consumer(self.layout, transport=transport, listen=listen, allocator=self.alloc,
-                                 transport_options=options, deadline=deadline, max_inflight=4096)
+        self.consumer = Consumer(
+            self.layout,
+            transport=transport,
+            listen=listen,
+            allocator=self.alloc,
+            transport_options=options,
+            deadline=deadline,
+            max_inflight=4096,
+        )
         self.arrived = {}
         return {"address": self.consumer.address, "transport": self.consumer.transport_name}
 
@@ -154,10 +164,18 @@ class ConsumerHalf:
             rep.merge(self.content.verify(self.arrays, arrival.block_ids, src))
             content.poison(self.arrays, arrival.block_ids)
             self.consumer.release(req)
-            out[req] = {"t": arrival.timings.get("completed", 0.0),
-                        "dst": arrival.block_ids.astype("<u4").tobytes(), "nbytes": arrival.nbytes}
-        return {"ok": rep.ok, "checked": rep.checked_bytes, "bad": rep.bad_blocks, "detail": rep.describe(),
-                "arrivals": out}
+            out[req] = {
+                "t": arrival.timings.get("completed", 0.0),
+                "dst": arrival.block_ids.astype("<u4").tobytes(),
+                "nbytes": arrival.nbytes,
+            }
+        return {
+            "ok": rep.ok,
+            "checked": rep.checked_bytes,
+            "bad": rep.bad_blocks,
+            "detail": rep.describe(),
+            "arrivals": out,
+        }
 
     def op_verify(self, dst: bytes, src: bytes) -> dict:
         """Check bytes a baseline wrote into the destination cache, then poison them again."""
@@ -186,8 +204,7 @@ class ConsumerHalf:
     # ---- raw NIXL baseline -----------------------------------------------------------------------------
     def op_nixl_open(self) -> dict:
         self.op_nixl_close()
-        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}",
-                                      self.layout.regions)
+        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}", self.layout.regions)
         return {"meta": self.nixl.metadata()}
 
     def op_nixl_peer(self, meta: bytes) -> dict:

@@ -9,7 +9,7 @@ Expose it with ``prometheus_client.start_http_server(port, registry=service.metr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 try:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -38,13 +38,14 @@ class _LedgerCollector:
         p = self.prefix
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"{p}_requests_{name}", doc, value=s[name])
-        yield CounterMetricFamily(f"{p}_received_bytes", "KV bytes received into handed-off requests",
-                                  value=s["bytes"])
+        yield CounterMetricFamily(f"{p}_received_bytes", "KV bytes received into handed-off requests", value=s["bytes"])
         yield GaugeMetricFamily(f"{p}_requests_inflight", "Admitted requests still receiving", value=s["inflight"])
-        yield GaugeMetricFamily(f"{p}_requests_handed", "Handed-off requests whose blocks the runtime holds",
-                                value=s["handed"])
-        yield GaugeMetricFamily(f"{p}_free_blocks", "Free blocks in the runtime's allocator (-1: unknown)",
-                                value=s["free_blocks"])
+        yield GaugeMetricFamily(
+            f"{p}_requests_handed", "Handed-off requests whose blocks the runtime holds", value=s["handed"]
+        )
+        yield GaugeMetricFamily(
+            f"{p}_free_blocks", "Free blocks in the runtime's allocator (-1: unknown)", value=s["free_blocks"]
+        )
 
 
 class ServiceMetrics:
@@ -55,9 +56,12 @@ class ServiceMetrics:
             raise ImportError("metrics need prometheus-client (pip install 'kvxfer[metrics]')")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.registry.register(_LedgerCollector(stats, prefix))
-        self.transfer_seconds = Histogram(f"{prefix}_transfer_seconds",
-                                          "Admission to hand-off time of completed requests",
-                                          buckets=BUCKETS, registry=self.registry)
+        self.transfer_seconds = Histogram(
+            f"{prefix}_transfer_seconds",
+            "Admission to hand-off time of completed requests",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
     def observe(self, seconds: float) -> None:
         self.transfer_seconds.observe(seconds)

@@ -29,8 +29,12 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
 
 
 def _summary(t) -> dict:
-    return {"status": t.status.value, "nbytes": t.nbytes, "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(),
-            "descriptors": t.descriptors}
+    return {
+        "status": t.status.value,
+        "nbytes": t.nbytes,
+        "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(),
+        "descriptors": t.descriptors,
+    }
 
 
 PeerError = RemoteError  # what the conformance tests catch: an exception raised in the peer process
