@@ -285,7 +285,7 @@ class KVLayout:
         block_dim = 0 if block_dim is None else block_dim
         if not -len(v0.shape) <= block_dim < len(v0.shape):
             raise LayoutError(f"block_dim {block_dim} out of range for a {len(v0.shape)}-D tensor")
-        if block_size is None and dims is None:  # vLLM's view, by position
+        if block_size is None:  # neither given nor named by dims: vLLM's view, by position
             if len(v0.shape) != 4 or block_dim % 4 != 0:
                 raise LayoutError("block_size is needed unless tensors are 4-D [num_blocks, heads, block_size, C]")
             dims, block_size = VLLM_DIMS, v0.shape[2]
@@ -319,6 +319,7 @@ class KVLayout:
                     seg_stride.append(stride)
                     seg_bytes.append(chunk)
             entries.append(_repeat("K", parts) if len(parts) == 2 else parts[0])
+        assert nblocks is not None  # every layer entry holds a tensor
         if len(seg_bytes) > MAX_SEGMENTS:
             raise LayoutError(f"{len(seg_bytes)} segments exceed the limit of {MAX_SEGMENTS}")
         total = int(sum(seg_bytes))

@@ -14,8 +14,10 @@ from collections.abc import Callable
 try:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    HAVE_PROMETHEUS = True
 except ImportError:  # pragma: no cover - the metrics extra is optional
-    CollectorRegistry = None
+    HAVE_PROMETHEUS = False
 
 # transfer seconds: from admission to hand-off (sub-millisecond on NVLink up to seconds for 128k tokens on TCP)
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,7 +54,7 @@ class ServiceMetrics:
     """A private registry with the service's metrics; ``exposition()`` is the Prometheus text format."""
 
     def __init__(self, stats: Callable[[], dict], prefix: str = "kvxfer_receive", registry=None):
-        if CollectorRegistry is None:
+        if not HAVE_PROMETHEUS:
             raise ImportError("metrics need prometheus-client (pip install 'kvxfer[metrics]')")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.registry.register(_LedgerCollector(stats, prefix))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -58,8 +58,14 @@ class ReadHost(Protocol):
 Host = WriteHost | ReadHost
 
 
-class Link(ABC):
+T = TypeVar("T", bound="Transport")
+
+
+class Link(ABC, Generic[T]):
     """The data path to one peer. Both calls block until the bytes moved, the deadline passed, or ``cancel``."""
+
+    t: T  # the local transport that opened this link (set by each implementation)
+    peer: Peer
 
     @abstractmethod
     def write(

@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 import weakref
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from ..errors import CancelledError, DeadlineError, PeerError, TransportError
 from ..memory import HOST
 from ..plan import Extents, make_plan
-from .base import Link, Peer, Transport
+from .base import Link, Peer, Transport, WriteHost
 
 _NOTIF = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
@@ -179,7 +180,7 @@ class NixlTransport(Transport):
                     except msgspec.MsgspecError:
                         continue
                     if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
-                        self.host.landed(link.peer.session, req, gen, nbytes)
+                        cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
             idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval)
             time.sleep(idle)
 
@@ -202,7 +203,7 @@ class NixlTransport(Transport):
         _LIVE.discard(self)
 
 
-class NixlLink(Link):
+class NixlLink(Link[NixlTransport]):
     def __init__(self, transport: NixlTransport, peer: Peer, remote: str):
         self.t = transport
         self.peer = peer

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     """kvxfer producer connector for vLLM V1 (``kv_role="kv_producer"``)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         if ktc.kv_role not in ("kv_producer", "kv_both"):
