@@ -67,7 +67,7 @@ class SocketReceiver:
             conn, _ = self.server.accept()
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            view = memoryview(self.buf)
+            view = self.buf.data
             with conn:
                 while True:
                     hdr = bytearray(_HDR.size)
@@ -96,7 +96,7 @@ class SocketSender:
         self.sock = socket.create_connection((host, port), timeout=60)
         self.sock.settimeout(None)  # plain blocking socket: no poll() before every send
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.view = memoryview(src).cast("B")
+        self.view = src.data.cast("B")
 
     def send(self, nbytes: int, offset: int = 0) -> float:
         """Seconds from the first byte sent to the receiver's acknowledgement of the last."""

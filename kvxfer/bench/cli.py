@@ -224,10 +224,12 @@ def _spawn_consumer(listen: str, corrupt: bool) -> tuple[subprocess.Popen, str]:
     if corrupt:
         cmd.append("--inject-corruption")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    out = proc.stdout
+    assert out is not None  # stdout=PIPE
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.1)[0]:
-            line = proc.stdout.readline()
+        if select.select([out], [], [], 0.1)[0]:
+            line = out.readline()
             if line.startswith("kvxfer-bench consumer listening on "):
                 return proc, line.rsplit(" ", 1)[1].strip()
             if not line:
@@ -366,6 +368,7 @@ def run(settings, args, geom_text: str) -> int:
     if error is not None:
         print(f"kvxfer-bench: error: {error}", file=sys.stderr)
         return EXIT_FAILED
+    assert driver is not None  # no error: the driver ran
     if driver.failed:
         print("kvxfer-bench: FAILED: a transfer failed or delivered wrong bytes (see the table)", file=sys.stderr)
         return EXIT_FAILED

@@ -13,12 +13,15 @@ import socket
 import sys
 import time
 import traceback
+from typing import TypeVar
 
 import msgspec
 import numpy as np
 
 from .. import transports
 from ..consumer import Consumer
+from ..layout import KVLayout
+from ..transfer import Arrival
 from ..wire import ids_from_bytes
 from . import baselines, content, models
 from .control import Control
@@ -40,6 +43,16 @@ def usable(name: str) -> str:
     return ""
 
 
+T = TypeVar("T")
+
+
+def _made(value: T | None, what: str) -> T:
+    """``value`` once the op that makes it has run; an op sent out of order gets a clear error back."""
+    if value is None:
+        raise RuntimeError(f"no {what} yet: the driver sends the op that makes it first")
+    return value
+
+
 def boot_id() -> str:
     """Identifies this machine's boot: two processes with the same one share ``time.monotonic``."""
     try:
@@ -56,7 +69,7 @@ class ConsumerHalf:
         self.corrupt = corrupt
         self.geom: models.Geometry | None = None
         self.arrays: list[np.ndarray] = []
-        self.layout = None
+        self.layout: KVLayout | None = None
         self.content: content.Content | None = None
         self.alloc: PatternAllocator | None = None
         self.consumer: Consumer | None = None
@@ -121,7 +134,7 @@ class ConsumerHalf:
         self.op_close()
         listen = f"{self.host}:0" if ":" not in self.host else f"[{self.host}]:0"
         self.consumer = Consumer(
-            self.layout,
+            _made(self.layout, "layout (setup)"),
             transport=transport,
             listen=listen,
             allocator=self.alloc,
@@ -139,20 +152,22 @@ class ConsumerHalf:
         return {}
 
     def op_pattern(self, pattern: str) -> dict:
-        self.alloc.set_pattern(pattern)
+        _made(self.alloc, "allocator (setup)").set_pattern(pattern)
         return {}
 
     def op_collect(self, items: list, wait: float) -> dict:
         """Wait for the arrivals of ``items`` ([req, source ids]), verify every byte, poison, release."""
         deadline = time.monotonic() + wait
+        consumer = _made(self.consumer, "consumer (open)")
+        expected = _made(self.content, "content (setup)")
         want = {req: src for req, src in items}
-        got = {}
+        got: dict[str, Arrival] = {}
         while len(got) < len(want):
             for req in [r for r in want if r in self.arrived and r not in got]:
                 got[req] = self.arrived.pop(req)
             if len(got) == len(want):
                 break
-            arrival = self.consumer.get(timeout=max(0.001, deadline - time.monotonic()))
+            arrival = consumer.get(timeout=max(0.001, deadline - time.monotonic()))
             self.arrived[arrival.req] = arrival
         rep = content.Report()
         out = {}
@@ -161,9 +176,9 @@ class ConsumerHalf:
             if self.corrupt:
                 self.corrupt = False
                 content._rows(self.arrays[-1])[arrival.block_ids[-1], -1] ^= 0x5A
-            rep.merge(self.content.verify(self.arrays, arrival.block_ids, src))
+            rep.merge(expected.verify(self.arrays, arrival.block_ids, src))
             content.poison(self.arrays, arrival.block_ids)
-            self.consumer.release(req)
+            consumer.release(req)
             out[req] = {
                 "t": arrival.timings.get("completed", 0.0),
                 "dst": arrival.block_ids.astype("<u4").tobytes(),
@@ -180,7 +195,7 @@ class ConsumerHalf:
     def op_verify(self, dst: bytes, src: bytes) -> dict:
         """Check bytes a baseline wrote into the destination cache, then poison them again."""
         d, s = ids_from_bytes(dst), ids_from_bytes(src)
-        rep = self.content.verify(self.arrays, d, s)
+        rep = _made(self.content, "content (setup)").verify(self.arrays, d, s)
         content.poison(self.arrays, d)
         return {"ok": rep.ok, "checked": rep.checked_bytes, "bad": rep.bad_blocks, "detail": rep.describe()}
 
@@ -204,20 +219,21 @@ class ConsumerHalf:
     # ---- raw NIXL baseline -----------------------------------------------------------------------------
     def op_nixl_open(self) -> dict:
         self.op_nixl_close()
-        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}", self.layout.regions)
+        regions = _made(self.layout, "layout (setup)").regions
+        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}", regions)
         return {"meta": self.nixl.metadata()}
 
     def op_nixl_peer(self, meta: bytes) -> dict:
-        return {"name": self.nixl.add_peer(meta)}
+        return {"name": _made(self.nixl, "raw NIXL agent (nixl_open)").add_peer(meta)}
 
     def op_nixl_wait(self, tag: bytes, wait: float = 60.0) -> dict:
-        self.nixl.wait_notif(tag, wait)
+        _made(self.nixl, "raw NIXL agent (nixl_open)").wait_notif(tag, wait)
         return {}
 
     def op_nixl_read(self, local: bytes, remote: bytes, peer: str) -> dict:
         loc = np.frombuffer(local, dtype=np.uint64).reshape(-1, 3)
         rem = np.frombuffer(remote, dtype=np.uint64).reshape(-1, 3)
-        return {"seconds": self.nixl.xfer("READ", loc, rem, peer)}
+        return {"seconds": _made(self.nixl, "raw NIXL agent (nixl_open)").xfer("READ", loc, rem, peer)}
 
     def op_nixl_close(self) -> dict:
         if self.nixl is not None:

@@ -59,8 +59,9 @@ def _ids(a) -> bytes:
     return np.asarray(a).astype("<u4").tobytes()
 
 
-def _pct(xs, q) -> float | None:
-    return float(np.percentile(xs, q)) if len(xs) else None
+def _pct_ms(xs, q) -> float:
+    """Percentile ``q`` of the seconds ``xs`` (never empty: every row times at least one transfer), in ms."""
+    return float(np.percentile(xs, q)) * 1e3
 
 
 def _median(xs) -> float | None:
@@ -142,6 +143,9 @@ class _NixlRef:
 
 
 class Driver:
+    geom: models.Geometry  # the geometry being run, and its source cache: set by ``run_geometry``
+    layout: KVLayout
+
     def __init__(self, settings: Settings, ctl: Control, host: str, progress: Progress | None = None):
         self.s = settings
         self.ctl = ctl
@@ -154,7 +158,6 @@ class Driver:
                 "the consumer half cannot run " + "; ".join(f"{n}: {why}" for n, why in self.hello["missing"].items())
             )
         self.same_clock = self.hello.get("boot_id") == boot_id()
-        self.geom: models.Geometry | None = None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def steps(self) -> int:
@@ -207,8 +210,7 @@ class Driver:
             for name in s.transports:
                 self.run_transport(name, contiguous, cap)
         finally:
-            self.layout = None
-            del arrays
+            del self.layout, arrays  # the source cache goes before the next geometry allocates its own
 
     def run_transport(self, name: str, contiguous: np.ndarray, cap: int) -> None:
         s = self.s
@@ -216,7 +218,8 @@ class Driver:
         opened = self.ctl.call("open", transport=name, options=opts, deadline=s.deadline)
         address = self._address(opened["address"])
         producer = Producer(self.layout, transport=name, deadline=s.deadline, lease=s.deadline, transport_options=opts)
-        ref, ref_error = None, ""
+        ref: _SocketRef | _NixlRef | None = None
+        ref_error = ""
         try:
             try:
                 if name == "tcp":
@@ -360,8 +363,8 @@ class Driver:
             descriptors=int(np.median(descs)),
             gbps=_median(rates),
             gbps_max=max(rates),
-            p50_ms=_pct(times, 50) * 1e3,
-            p99_ms=_pct(times, 99) * 1e3,
+            p50_ms=_pct_ms(times, 50),
+            p99_ms=_pct_ms(times, 99),
             verified=True,
             samples_gbps=[round(r, 4) for r in rates],
         )
@@ -373,8 +376,8 @@ class Driver:
             row.update(
                 baseline_gbps=_median(ref_rates),
                 baseline_gbps_max=max(ref_rates),
-                baseline_p50_ms=_pct(ref_times, 50) * 1e3,
-                baseline_p99_ms=_pct(ref_times, 99) * 1e3,
+                baseline_p50_ms=_pct_ms(ref_times, 50),
+                baseline_p99_ms=_pct_ms(ref_times, 99),
                 baseline_samples_gbps=[round(r, 4) for r in ref_rates],
                 ratio_paired=_median(paired),
                 ratio_best=max(rates) / max(ref_rates),
@@ -431,8 +434,8 @@ class Driver:
             descriptors=int(np.median(descs)),
             gbps=nbytes / total / 1e9,
             req_s=len(timed) / total,
-            p50_ms=_pct(lat, 50) * 1e3,
-            p99_ms=_pct(lat, 99) * 1e3,
+            p50_ms=_pct_ms(lat, 50),
+            p99_ms=_pct_ms(lat, 99),
             latency_clock="consumer arrival" if self.same_clock else "producer completion",
             verified=True,
         )
@@ -440,18 +443,18 @@ class Driver:
             row.update(
                 baseline_gbps=ref_bytes / sum(ref_lat) / 1e9,
                 baseline_req_s=len(ref_lat) / sum(ref_lat),
-                baseline_p50_ms=_pct(ref_lat, 50) * 1e3,
-                baseline_p99_ms=_pct(ref_lat, 99) * 1e3,
+                baseline_p50_ms=_pct_ms(ref_lat, 50),
+                baseline_p99_ms=_pct_ms(ref_lat, 99),
             )
 
-    def _wave(self, producer, address, mode, wave):
+    def _wave(self, producer: Producer, address: str, mode: str, wave: list) -> tuple[list, float]:
         """Submit ``wave`` with ``concurrency`` requests in flight; per request (submit, completion, transfer)."""
         queue = deque(enumerate(wave))
         records: list = [None] * len(wave)
         errors: list[BaseException] = []
         lock = threading.Lock()
 
-        def worker():
+        def worker() -> None:
             while not errors:
                 with lock:
                     if not queue:
@@ -478,7 +481,9 @@ class Driver:
 
 def _waves(reqs: list, capacity: int) -> list[list]:
     """Consecutive groups of requests whose blocks fit ``capacity`` destination blocks at once."""
-    waves, cur, used = [], [], 0
+    waves: list[list] = []
+    cur: list = []
+    used = 0
     for req in reqs:
         n = len(req[1])
         if cur and used + n > capacity:

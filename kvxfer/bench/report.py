@@ -132,7 +132,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             refs.setdefault(key, []).append((r["block_bytes"], r["baseline_gbps"]))
         if r.get("memcpy_gbps"):
             memcpy.append((r["block_bytes"], r["memcpy_gbps"]))
-    colors = {}
+    colors: dict[str, str] = {}
     for (transport, mode, pattern), pts in sorted(series.items()):
         pts = sorted(pts)
         color = colors.setdefault(transport, f"C{len(colors)}")
