@@ -19,9 +19,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def vh():
     """The harness module (real vLLM Scheduler / Request / KV tensors); imports vLLM once."""
     try:
-        import vllm_harness
-
         import vllm  # noqa: F401
+        import vllm_harness
     except ImportError as e:
         if os.environ.get("CI"):
             pytest.fail(f"vLLM is not importable in CI: {e} (scripts/install-vllm.sh installs it)")

@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+
+from procs import RemoteError
 from vllm_consumer import CacheSpec, block_stream
 
 pytestmark = pytest.mark.vllm
@@ -220,7 +222,7 @@ def test_abort_while_shipping_and_mid_prefill(vh, engines, consumers):
     assert [o.req_id for o in e.worker.orders] == ["A", "B"]
     e.assert_no_leaks()
     c.release("A")
-    with pytest.raises(Exception, match="no arrival"):
+    with pytest.raises(RemoteError, match="DeadlineError: no arrival"):
         c.get(0.5)
     s = c.stats()
     assert s["completed"] == 1 and s["inflight"] == 0
@@ -284,7 +286,7 @@ def test_preempted_mid_transfer_is_cancelled_and_leaks_nothing(vh, engines, cons
     assert p["status"] == "cancelled" and "preempted" in p["error"]
     assert [o.req_id for o in e.worker.orders] == ["warm", "A"]  # shipped once, never again after resuming
     e.assert_no_leaks()
-    with pytest.raises(Exception, match="no arrival"):
+    with pytest.raises(RemoteError, match="DeadlineError: no arrival"):
         c.get(0.3)
     deadline = time.monotonic() + 5
     while c.stats()["inflight"] and time.monotonic() < deadline:  # the consumer's own deadline frees its grant

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from vllm_consumer import CacheSpec, block_stream
 
 pytestmark = pytest.mark.vllm

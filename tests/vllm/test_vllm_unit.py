@@ -4,6 +4,7 @@ vLLM 0.33 allocates, sleep mode, and what it refuses."""
 from __future__ import annotations
 
 import pytest
+
 from vllm_consumer import CacheSpec, block_stream
 
 pytestmark = pytest.mark.vllm
