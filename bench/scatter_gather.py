@@ -38,12 +38,13 @@ def _capped(send: bool):
             if k == 0:
                 raise EOFError
             i = _advance(views, i, batch, k)
+
     return run
 
 
 def _scattered(buf):
     mv = memoryview(buf)
-    return [mv[2 * i * PIECE:(2 * i + 1) * PIECE] for i in range(K)]
+    return [mv[2 * i * PIECE : (2 * i + 1) * PIECE] for i in range(K)]
 
 
 def _receiver(q):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer.plan import check_ids, extents, make_plan, pair
-
 from conftest import MILLION, fake_layout
+from kvxfer.plan import check_ids, extents, make_plan, pair
 
 PATTERNS = {
     "sequential": lambda rng, n: (np.arange(n), np.arange(n)),

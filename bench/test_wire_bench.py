@@ -5,25 +5,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer import wire
-
 from conftest import MILLION, fake_layout
+from kvxfer import wire
 
 
 @pytest.fixture(scope="module")
-def hello():
+def proof():
+    """The handshake message that carries the producer's layout and transport metadata."""
     layout = fake_layout(16384, layers=32)
-    return wire.Hello(version=wire.VERSION, peer_id="prefill-0", layout=layout.desc(), transport="tcp",
-                      transport_meta=b"x" * 4096, auth="token")
+    return wire.Proof(proof=b"p" * 32, layout=layout.desc(), transports=[("tcp", b"x" * 4096)])
 
 
-def test_encode_hello(benchmark, hello):
-    frame = benchmark(wire.encode, hello)
+def test_encode_proof(benchmark, proof):
+    frame = benchmark(wire.encode, proof)
     assert len(frame) > 100
 
 
-def test_decode_hello(benchmark, hello):
-    body = wire.encode(hello)[4:]
+def test_decode_proof(benchmark, proof):
+    body = wire.encode(proof)[4:]
     msg = benchmark(wire.decode, body)
     assert msg.layout.num_blocks == 16384
 

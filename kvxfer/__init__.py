@@ -8,22 +8,58 @@
 """
 
 from .allocator import Allocator, FreeList
-from .errors import (AuthError, BlockError, BusyError, CancelledError, ClosedError, ConfigError, DeadlineError,
-                     IncompatibleError,
-                     IntegrityError, KVXferError, LayoutError, LeaseExpiredError, PeerError, ProtocolError, StaleError,
-                     TimeoutError, TransportError)
 from .consumer import Consumer
+from .errors import (
+    AuthError,
+    BlockError,
+    BusyError,
+    CancelledError,
+    ClosedError,
+    ConfigError,
+    DeadlineError,
+    IncompatibleError,
+    IntegrityError,
+    KVXferError,
+    LayoutError,
+    LeaseExpiredError,
+    PeerError,
+    ProtocolError,
+    StaleError,
+    TimeoutError,
+    TransportError,
+)
+from .layout import KVLayout
 from .producer import Producer
 from .transfer import Arrival, Status, Transfer
-from .layout import KVLayout
 from .transports import available as available_transports
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Allocator", "Arrival", "AuthError", "BlockError", "BusyError", "CancelledError", "ClosedError", "Consumer",
-    "ConfigError", "DeadlineError",
-    "FreeList", "IncompatibleError", "IntegrityError", "KVLayout", "KVXferError", "LayoutError", "LeaseExpiredError", "PeerError",
-    "Producer", "ProtocolError", "StaleError", "Status", "TimeoutError", "Transfer", "TransportError",
+    "Allocator",
+    "Arrival",
+    "AuthError",
+    "BlockError",
+    "BusyError",
+    "CancelledError",
+    "ClosedError",
+    "ConfigError",
+    "Consumer",
+    "DeadlineError",
+    "FreeList",
+    "IncompatibleError",
+    "IntegrityError",
+    "KVLayout",
+    "KVXferError",
+    "LayoutError",
+    "LeaseExpiredError",
+    "PeerError",
+    "Producer",
+    "ProtocolError",
+    "StaleError",
+    "Status",
+    "TimeoutError",
+    "Transfer",
+    "TransportError",
     "available_transports",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -36,12 +37,12 @@ class FreeList:
             if n <= 0 or n > self._top:
                 return None
             self._top -= n
-            return self._free[self._top:self._top + n][::-1].copy()
+            return self._free[self._top : self._top + n][::-1].copy()
 
     def free(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64)
         with self._lock:
             if self._top + len(ids) > len(self._free):
                 raise RuntimeError("free of more blocks than were allocated")
-            self._free[self._top:self._top + len(ids)] = ids[::-1]
+            self._free[self._top : self._top + len(ids)] = ids[::-1]
             self._top += len(ids)

@@ -6,13 +6,15 @@ I/O straight from and into registered memory) live in ``sockets``; they are re-e
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 
 from . import wire
+from .errors import DeadlineError, PeerError
 from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, send_views  # noqa: F401
-from .errors import PeerError, ProtocolError, TimeoutError
+
 
 class Channel:
     """One framed, thread-safe-to-send connection."""
@@ -37,7 +39,7 @@ class Channel:
         """The next message; ``PeerError`` on EOF or socket error, ``ProtocolError`` on a bad frame.
 
         ``timeout`` bounds the whole message, header and body: a peer dribbling a byte at a time cannot hold
-        the connection past it (``TimeoutError``). Without it each read waits up to the socket's own timeout.
+        the connection past it (``DeadlineError``). Without it each read waits up to the socket's own timeout.
         ``max_frame`` overrides the channel's limit for this message (a small one before the peer has
         authenticated). The body buffer grows with the bytes that arrive, never to the announced size at once.
         """
@@ -46,8 +48,8 @@ class Channel:
             header = self._read(4, deadline)
             n = wire.frame_length(header, self.max_frame if max_frame is None else max_frame)
             body = self._read(n, deadline)
-        except socket.timeout:
-            raise TimeoutError("no whole message before the deadline") from None
+        except TimeoutError:
+            raise DeadlineError("no whole message before the deadline") from None
         except OSError as e:
             raise PeerError(f"receive failed: {e}") from None
         return wire.decode(body)
@@ -71,16 +73,14 @@ class Channel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             self.sock.close()
 
 
 def remaining(deadline: float) -> float:
-    """Seconds left before ``deadline`` (monotonic), raising ``TimeoutError`` when none are."""
+    """Seconds left before ``deadline`` (monotonic), raising ``DeadlineError`` when none are."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError("deadline passed")
+        raise DeadlineError("deadline passed")
     return left

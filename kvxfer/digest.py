@@ -21,14 +21,21 @@ def block_digests(layout: KVLayout, ids) -> bytes:
     if any(r.device != HOST for r in layout.regions):
         raise TransportError("integrity digests are computed on host memory only")
     bufs = [host_buffer(r) for r in layout.regions]
-    segs = list(zip(layout.seg_region.tolist(), layout.seg_offset.tolist(), layout.seg_stride.tolist(),
-                    layout.seg_bytes.tolist()))
+    segs = list(
+        zip(
+            layout.seg_region.tolist(),
+            layout.seg_offset.tolist(),
+            layout.seg_stride.tolist(),
+            layout.seg_bytes.tolist(),
+            strict=True,
+        )
+    )
     out = np.empty(len(ids), dtype="<u4")
     for i, b in enumerate(np.asarray(ids).tolist()):
         crc = 0
         for r, off, stride, n in segs:
             start = off + b * stride
-            crc = zlib.crc32(bufs[r][start:start + n], crc)
+            crc = zlib.crc32(bufs[r][start : start + n], crc)
         out[i] = crc
     return out.tobytes()
 

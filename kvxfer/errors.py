@@ -78,7 +78,7 @@ class DeadlineError(KVXferError):
     code = "timeout"
 
 
-TimeoutError = DeadlineError  # noqa: A001 - the name of 0.1; kept one release for callers that import it
+TimeoutError = DeadlineError  # the name of 0.1; kept one release for callers that import it
 
 
 class LeaseExpiredError(DeadlineError):
@@ -114,8 +114,21 @@ class ClosedError(KVXferError):
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        KVXferError, ConfigError, LayoutError, IncompatibleError, ProtocolError, AuthError, BlockError, BusyError,
-        StaleError, CancelledError, DeadlineError, LeaseExpiredError, PeerError, TransportError, ClosedError,
+        KVXferError,
+        ConfigError,
+        LayoutError,
+        IncompatibleError,
+        ProtocolError,
+        AuthError,
+        BlockError,
+        BusyError,
+        StaleError,
+        CancelledError,
+        DeadlineError,
+        LeaseExpiredError,
+        PeerError,
+        TransportError,
+        ClosedError,
         IntegrityError,
     )
 }

@@ -20,7 +20,7 @@ dimensions dropped and neighbours of one role merged: ``"L32 N16 H8 D256"`` is 3
 from __future__ import annotations
 
 import itertools
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -64,13 +64,15 @@ def _segments_of(view: TensorView, block_dim: int) -> tuple[int, int, int, list[
             )
         chunk *= n
     extent = chunk
-    for st, n, d in sorted([(bstride, nblocks, block_dim)] + outer):
+    for st, n, d in sorted([(bstride, nblocks, block_dim), *outer]):
         if n > 1 and st < extent:
             raise LayoutError(f"dim {d} overlaps the block contents (stride {st} < extent {extent})")
         extent = st * (n - 1) + extent
     outer.sort(key=lambda t: t[2])  # stream order follows logical dim order (K before V, head 0 first, ...)
-    bases = [view.ptr + sum(i * st for i, (st, _, _) in zip(idx, outer))
-             for idx in itertools.product(*(range(n) for _, n, _ in outer))]
+    bases = [
+        view.ptr + sum(i * st for i, (st, _, _) in zip(idx, outer, strict=True))
+        for idx in itertools.product(*(range(n) for _, n, _ in outer))
+    ]
     stream = [d for _, _, d in outer] + [d for _, _, d in sorted(inner, reverse=True)]
     return nblocks, (bstride if nblocks > 1 else chunk), chunk, bases, stream
 
@@ -78,8 +80,10 @@ def _segments_of(view: TensorView, block_dim: int) -> tuple[int, int, int, list[
 def _check_dims(dims: str, shape: tuple, paired: bool) -> str:
     """Validate a caller's ``dims`` for a tensor of ``shape``."""
     if not isinstance(dims, str) or len(dims) != len(shape):
-        raise LayoutError(f"dims {dims!r} must name each of the {len(shape)} dims of a tensor of shape {shape}, "
-                          f"one letter each from {''.join(DIMS)}")
+        raise LayoutError(
+            f"dims {dims!r} must name each of the {len(shape)} dims of a tensor of shape {shape}, "
+            f"one letter each from {''.join(DIMS)}"
+        )
     bad = sorted(set(dims) - set(DIMS))
     if bad:
         raise LayoutError(f"dims {dims!r}: unknown letters {bad}; use {_LEGEND}")
@@ -107,21 +111,27 @@ def _infer_dims(shape: tuple, block_dim: int, block_size: int, layers: int, pair
     need = [r for r, want in (("N", block_size > 1), ("L", layers > 1)) if want]
     extra = len(free) - len(need)
     if extra < 0 or extra > (1 if paired else 2):
-        raise LayoutError(f"cannot tell what the dims of shape {shape} mean (block_size {block_size}, "
-                          f"{layers} layer(s) per tensor): pass dims, one letter per dim from {''.join(DIMS)}")
+        raise LayoutError(
+            f"cannot tell what the dims of shape {shape} mean (block_size {block_size}, "
+            f"{layers} layer(s) per tensor): pass dims, one letter per dim from {''.join(DIMS)}"
+        )
     need += ["H", "K"][:extra]
     size = {"N": block_size, "L": layers, "K": 2}
     found = set()
     for perm in itertools.permutations(need):
-        if all(size.get(r, shape[d]) == shape[d] for r, d in zip(perm, free)):
-            roles = {**fixed, **dict(zip(free, perm))}
+        if all(size.get(r, shape[d]) == shape[d] for r, d in zip(perm, free, strict=True)):
+            roles = {**fixed, **dict(zip(free, perm, strict=True))}
             spare = iter(r for r in "HKLN" if r not in roles.values())
             found.add("".join(roles[d] if d in roles else next(spare, "?") for d in range(nd)))
     if len(found) != 1:
-        why = "could be " + " or ".join(f"dims={f!r}" for f in sorted(found)) if found else \
-            f"no dim has the size of {' / '.join(f'{r} ({size[r]})' for r in need if r in size)}"
-        raise LayoutError(f"cannot tell what the dims of shape {shape} mean ({why}): pass dims naming each dim, "
-                          f"{_LEGEND}")
+        why = (
+            "could be " + " or ".join(f"dims={f!r}" for f in sorted(found))
+            if found
+            else f"no dim has the size of {' / '.join(f'{r} ({size[r]})' for r in need if r in size)}"
+        )
+        raise LayoutError(
+            f"cannot tell what the dims of shape {shape} mean ({why}): pass dims naming each dim, {_LEGEND}"
+        )
     return found.pop()
 
 
@@ -153,8 +163,17 @@ def _repeat(role: str, parts: list[list]) -> list:
 class KVLayout:
     """Where every block of a paged KV cache lives, local (with the tensors kept alive) or remote (a peer's)."""
 
-    def __init__(self, regions: Sequence[Region], seg_region, seg_offset, seg_stride, seg_bytes,
-                 num_blocks: int, fingerprint: wire.Fingerprint, owners: tuple = ()):
+    def __init__(
+        self,
+        regions: Sequence[Region],
+        seg_region,
+        seg_offset,
+        seg_stride,
+        seg_bytes,
+        num_blocks: int,
+        fingerprint: wire.Fingerprint,
+        owners: tuple = (),
+    ):
         self.regions = list(regions)
         self.seg_region = _int64("segment regions", seg_region)
         self.seg_offset = _int64("segment offsets", seg_offset)
@@ -189,7 +208,7 @@ class KVLayout:
         if not 0 < self.num_blocks <= MAX_BLOCKS:
             raise LayoutError(f"a layout needs 1..{MAX_BLOCKS} blocks, got {self.num_blocks}")
         for r in self.regions:
-            if not (0 <= r.ptr and 0 <= r.nbytes <= _I64 and r.ptr + r.nbytes <= 1 << 64):
+            if not (r.ptr >= 0 and 0 <= r.nbytes <= _I64 and r.ptr + r.nbytes <= 1 << 64):
                 raise LayoutError(f"region {r} is out of range")
         if (self.seg_bytes <= 0).any() or (self.seg_offset < 0).any() or (self.seg_stride < 0).any():
             raise LayoutError("segment sizes, offsets and strides must be positive")
@@ -198,8 +217,10 @@ class KVLayout:
         room = np.array([r.nbytes for r in self.regions], dtype=np.int64)[self.seg_region]
         if (self.seg_offset > room).any() or (self.seg_bytes > room - self.seg_offset).any():
             raise LayoutError("a segment runs past the end of its region")
-        if self.num_blocks > 1 and \
-                (self.seg_stride > (room - self.seg_offset - self.seg_bytes) // (self.num_blocks - 1)).any():
+        if (
+            self.num_blocks > 1
+            and (self.seg_stride > (room - self.seg_offset - self.seg_bytes) // (self.num_blocks - 1)).any()
+        ):
             raise LayoutError("a segment runs past the end of its region")
         if self.block_bytes > _I64 // self.num_blocks:
             raise LayoutError(f"{self.num_blocks} blocks of {self.block_bytes} bytes overflow int64")
@@ -209,8 +230,15 @@ class KVLayout:
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_tensors(cls, caches, *, dims: str | None = None, block_dim: int | None = None,
-                     block_size: int | None = None, num_layers: int | None = None) -> "KVLayout":
+    def from_tensors(
+        cls,
+        caches,
+        *,
+        dims: str | None = None,
+        block_dim: int | None = None,
+        block_size: int | None = None,
+        num_layers: int | None = None,
+    ) -> KVLayout:
         """Describe a KV cache.
 
         ``caches`` is one cross-layer tensor, a sequence of per-layer tensors, or a mapping layer name ->
@@ -257,7 +285,7 @@ class KVLayout:
         block_dim = 0 if block_dim is None else block_dim
         if not -len(v0.shape) <= block_dim < len(v0.shape):
             raise LayoutError(f"block_dim {block_dim} out of range for a {len(v0.shape)}-D tensor")
-        if block_size is None and dims is None:  # vLLM's view, by position
+        if block_size is None:  # neither given nor named by dims: vLLM's view, by position
             if len(v0.shape) != 4 or block_dim % 4 != 0:
                 raise LayoutError("block_size is needed unless tensors are 4-D [num_blocks, heads, block_size, C]")
             dims, block_size = VLLM_DIMS, v0.shape[2]
@@ -291,14 +319,21 @@ class KVLayout:
                     seg_stride.append(stride)
                     seg_bytes.append(chunk)
             entries.append(_repeat("K", parts) if len(parts) == 2 else parts[0])
+        assert nblocks is not None  # every layer entry holds a tensor
         if len(seg_bytes) > MAX_SEGMENTS:
             raise LayoutError(f"{len(seg_bytes)} segments exceed the limit of {MAX_SEGMENTS}")
         total = int(sum(seg_bytes))
         if total % n_layers:
             raise LayoutError(f"{total} bytes per block do not split into {n_layers} layers")
-        fp = wire.Fingerprint(version=wire.VERSION, dtype=dtypes.pop(), block_size=int(block_size),
-                              num_layers=int(n_layers), layer_bytes=total // n_layers, block_bytes=total,
-                              order=_text(_repeat("L", entries)))
+        fp = wire.Fingerprint(
+            version=wire.VERSION,
+            dtype=dtypes.pop(),
+            block_size=int(block_size),
+            num_layers=int(n_layers),
+            layer_bytes=total // n_layers,
+            block_bytes=total,
+            order=_text(_repeat("L", entries)),
+        )
         return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views))
 
     def desc(self) -> wire.LayoutDesc:
@@ -306,13 +341,15 @@ class KVLayout:
         return wire.LayoutDesc(
             num_blocks=self.num_blocks,
             regions=[wire.RegionDesc(r.ptr, r.nbytes, r.device) for r in self.regions],
-            seg_region=self.seg_region.tolist(), seg_offset=self.seg_offset.tolist(),
-            seg_stride=self.seg_stride.tolist(), seg_bytes=self.seg_bytes.tolist(),
+            seg_region=self.seg_region.tolist(),
+            seg_offset=self.seg_offset.tolist(),
+            seg_stride=self.seg_stride.tolist(),
+            seg_bytes=self.seg_bytes.tolist(),
             fingerprint=self.fingerprint,
         )
 
     @classmethod
-    def from_desc(cls, d: wire.LayoutDesc) -> "KVLayout":
+    def from_desc(cls, d: wire.LayoutDesc) -> KVLayout:
         """A peer's layout, checked for internal consistency (it is untrusted input)."""
         if len(d.regions) > MAX_SEGMENTS:
             raise LayoutError("too many regions")
@@ -321,8 +358,10 @@ class KVLayout:
 
     def __repr__(self) -> str:
         fp = self.fingerprint
-        return (f"KVLayout({self.num_blocks} blocks x {self.block_bytes} B, {self.num_segments} segments, "
-                f"{len(self.regions)} regions, {fp.num_layers} layers, {fp.dtype}, order {fp.order})")
+        return (
+            f"KVLayout({self.num_blocks} blocks x {self.block_bytes} B, {self.num_segments} segments, "
+            f"{len(self.regions)} regions, {fp.num_layers} layers, {fp.dtype}, order {fp.order})"
+        )
 
 
 def _check_sizes(roles: str, shape: tuple, block_size: int, held: int) -> None:
@@ -331,8 +370,7 @@ def _check_sizes(roles: str, shape: tuple, block_size: int, held: int) -> None:
     for role, want, what in (("N", block_size, "block_size"), ("L", held, "layers per tensor")):
         got = shape[roles.index(role)] if role in roles else None if role == "N" else 1
         if got not in (None, want):
-            raise LayoutError(f"dims {roles!r} of shape {shape}: the {role} dim has size {got}, "
-                              f"but {what} is {want}")
+            raise LayoutError(f"dims {roles!r} of shape {shape}: the {role} dim has size {got}, but {what} is {want}")
 
 
 def _int64(what: str, values) -> np.ndarray:
@@ -345,7 +383,10 @@ def _int64(what: str, values) -> np.ndarray:
 
 def check_compatible(local: wire.Fingerprint, remote: wire.Fingerprint) -> None:
     """Raise ``IncompatibleError`` naming every field the two sides disagree on."""
-    diffs = [f"{name}: local {getattr(local, name)!r} != remote {getattr(remote, name)!r}"
-             for name in local.__struct_fields__ if getattr(local, name) != getattr(remote, name)]
+    diffs = [
+        f"{name}: local {getattr(local, name)!r} != remote {getattr(remote, name)!r}"
+        for name in local.__struct_fields__
+        if getattr(local, name) != getattr(remote, name)
+    ]
     if diffs:
         raise IncompatibleError("incompatible KV layouts: " + "; ".join(diffs))

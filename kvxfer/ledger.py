@@ -503,7 +503,7 @@ class Lease:
 class Leases:
     """The producer's pull offers: blocks readable by one consumer until the lease expires or is released."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.RLock()
         self.active: dict[tuple[str, int], Lease] = {}
 

@@ -35,7 +35,7 @@ class TensorView:
             raise LayoutError("negative strides are not supported")
         if 0 in self.shape:
             return self.ptr, self.ptr
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides))
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
         return self.ptr, self.ptr + last + self.itemsize
 
 
@@ -80,8 +80,13 @@ def as_view(obj) -> TensorView:
             raise LayoutError(f"unsupported torch device {dev}")
         size = obj.element_size()
         return TensorView(
-            obj.data_ptr(), tuple(obj.shape), tuple(s * size for s in obj.stride()), size,
-            str(obj.dtype).removeprefix("torch."), HOST if dev.type == "cpu" else (dev.index or 0), obj,
+            obj.data_ptr(),
+            tuple(obj.shape),
+            tuple(s * size for s in obj.stride()),
+            size,
+            str(obj.dtype).removeprefix("torch."),
+            HOST if dev.type == "cpu" else (dev.index or 0),
+            obj,
         )
     if hasattr(obj, "__cuda_array_interface__"):
         dev = getattr(getattr(obj, "device", None), "id", 0)

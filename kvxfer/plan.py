@@ -81,8 +81,13 @@ def pair(a: KVLayout, b: KVLayout, ranges=None) -> Pairing:
     bounds = np.union1d(np.concatenate([[0], ca[:-1]]), np.concatenate([[0], cb[:-1]]))
     if ranges is not None:
         r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if not len(r) or (r[:, 0] >= r[:, 1]).any() or r.min() < 0 or r.max() > a.block_bytes \
-                or (r[1:, 0] < r[:-1, 1]).any():
+        if (
+            not len(r)
+            or (r[:, 0] >= r[:, 1]).any()
+            or r.min() < 0
+            or r.max() > a.block_bytes
+            or (r[1:, 0] < r[:-1, 1]).any()
+        ):
             raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
         bounds = np.union1d(bounds, r[r < a.block_bytes])
     sizes = np.diff(np.append(bounds, a.block_bytes))
@@ -126,7 +131,7 @@ class Extents:
     def total(self) -> int:
         return int(self.nbytes.sum())
 
-    def window(self, start: int, length: int) -> "Extents":
+    def window(self, start: int, length: int) -> Extents:
         """The sub-extents covering stream bytes ``[start, start + length)``."""
         ends = np.cumsum(self.nbytes)
         first = int(np.searchsorted(ends, start, side="right"))
@@ -171,7 +176,7 @@ def _unmerged(sides, offs, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]
     """Every piece x block as its own extent; constant columns as zero-copy broadcasts."""
     total = len(nbytes) * n
     out = []
-    for (s, _), off in zip(sides, offs):
+    for (s, _), off in zip(sides, offs, strict=True):
         same = bool((s.region == s.region[0]).all())
         out += [np.broadcast_to(s.region[0], total) if same else np.repeat(s.region, n), off]
     one_len = bool((nbytes == nbytes[0]).all())
@@ -233,13 +238,12 @@ def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) 
     run = np.add.reduceat(lens, starts)
     piece = starts // n
     out = []
-    for (s, _), off in zip(sides, offs):
+    for (s, _), off in zip(sides, offs, strict=True):
         out += [s.region[piece], off[starts]]
     return (*out, run.astype(np.int64))
 
 
-def make_plan(pairing: Pairing, src_ids, dst_ids, src_blocks: int, dst_blocks: int, *,
-              coalesce: bool = True) -> Plan:
+def make_plan(pairing: Pairing, src_ids, dst_ids, src_blocks: int, dst_blocks: int, *, coalesce: bool = True) -> Plan:
     """Two-sided plan from side ``a`` (source) blocks ``src_ids`` to side ``b`` (destination) ``dst_ids``.
     ``coalesce=False`` keeps one descriptor per piece and block (a baseline for what coalescing saves)."""
     s = check_ids(src_ids, src_blocks, "source block ids")

@@ -186,8 +186,8 @@ class Producer(HandleBase):
                 return
             try:
                 send(self._enroll(t), t)
-            except KVXferError as e:
-                self._end(t, e)
+            except KVXferError as e:  # a handshake cut short by close() is the close, whatever broke first
+                self._end(t, ClosedError("producer closed") if self.closed else e)
 
         with self._lock:
             s = self._sessions.get(t.address)

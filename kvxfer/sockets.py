@@ -8,11 +8,12 @@ is a ``DeadlineError``, a reset, refused or closed connection a ``PeerError``, a
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import AuthError, ConfigError, DeadlineError, KVXferError, PeerError, TransportError
 
@@ -43,17 +44,13 @@ def mapped(what: str) -> Iterator[None]:
 
 def shutdown(sock: socket.socket) -> None:
     """Stop both directions now (a blocked ``sendmsg`` / ``recvmsg_into`` returns); a dead socket is fine."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.close()
-    except OSError:
-        pass
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -72,7 +69,7 @@ def connect(address: str, timeout: float, tls: ssl.SSLContext | None = None) -> 
     start = time.monotonic()
     try:
         sock = socket.create_connection(where, timeout=timeout)
-    except socket.timeout:
+    except TimeoutError:
         raise DeadlineError(f"connecting to {address} timed out after {timeout:.1f}s") from None
     except OSError as e:
         raise PeerError(f"cannot connect to {address}: {e.strerror or e}") from None
@@ -121,7 +118,7 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> None:
                 sock.sendall(v)
             return
         while i < n:
-            batch = views[i:i + IOV_MAX]
+            batch = views[i : i + IOV_MAX]
             i = _advance(views, i, batch, sock.sendmsg(batch))
 
 
@@ -139,7 +136,7 @@ def recv_views(sock: socket.socket, views: list[memoryview]) -> None:
                     got += k
             return
         while i < n:
-            batch = views[i:i + IOV_MAX]
+            batch = views[i : i + IOV_MAX]
             got = sock.recvmsg_into(batch)[0]
             if got == 0:
                 raise PeerError("connection closed by peer mid-transfer")

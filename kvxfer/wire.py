@@ -24,7 +24,7 @@ either Cancel(req, gen) from either side; Error(req, code, message) on any failu
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import numpy as np
@@ -48,16 +48,26 @@ Name = Annotated[str, msgspec.Meta(max_length=1 << 16)]
 Secret = Annotated[bytes, msgspec.Meta(max_length=64)]  # nonces and MACs
 
 
-def _json_like(depth: int):
+def _json_like(depth: int) -> Any:
     """A JSON-like value nesting at most ``depth`` containers of at most ``META_ITEMS`` entries each."""
-    t = Union[None, bool, int, float, str]
+    t: Any = None | bool | int | float | str
     for _ in range(depth):
-        t = Union[None, bool, int, float, str, Annotated[list[t], msgspec.Meta(max_length=META_ITEMS)],
-                  Annotated[dict[str, t], msgspec.Meta(max_length=META_ITEMS)]]
+        t = (
+            None
+            | bool
+            | int
+            | float
+            | str
+            | Annotated[list[t], msgspec.Meta(max_length=META_ITEMS)]
+            | Annotated[dict[str, t], msgspec.Meta(max_length=META_ITEMS)]
+        )
     return t
 
 
-Meta = Annotated[dict[str, _json_like(META_DEPTH)], msgspec.Meta(max_length=META_ITEMS)]
+if TYPE_CHECKING:  # a type built at run time is opaque to a checker: code sees the dict it decodes to
+    Meta = dict[str, Any]
+else:
+    Meta = Annotated[dict[str, _json_like(META_DEPTH)], msgspec.Meta(max_length=META_ITEMS)]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
@@ -65,7 +75,11 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True):
     would get in. Versions evolve through ``VERSION``, checked first in the handshake."""
 
 
-class Fingerprint(_Strict, frozen=True):
+class _StrictFrozen(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``_Strict`` for immutable values (a frozen struct cannot derive from a mutable one)."""
+
+
+class Fingerprint(_StrictFrozen, frozen=True):
     """What two sides must agree on before a byte moves. ``order`` names every in-block dimension by what it
     means, outermost first (``layout`` builds it): equal fingerprints mean the same bytes in the same places."""
 
@@ -78,7 +92,7 @@ class Fingerprint(_Strict, frozen=True):
     order: Name
 
 
-class RegionDesc(_Strict, array_like=True, frozen=True):
+class RegionDesc(_StrictFrozen, array_like=True, frozen=True):
     ptr: U64
     nbytes: U63
     device: Device
@@ -87,7 +101,7 @@ class RegionDesc(_Strict, array_like=True, frozen=True):
 _Segs = Annotated[list[U63], msgspec.Meta(max_length=MAX_SEGMENTS)]
 
 
-class LayoutDesc(_Strict, frozen=True):
+class LayoutDesc(_StrictFrozen, frozen=True):
     num_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)]
     regions: Annotated[list[RegionDesc], msgspec.Meta(max_length=MAX_SEGMENTS)]
     seg_region: _Segs
@@ -153,7 +167,7 @@ class Admit(_Msg, tag="admit"):
     meta: Meta = {}
     senders: U32 = 1
     part: U32 = 0
-    layers: Union[Annotated[list[U32], msgspec.Meta(max_length=1 << 20)], None] = None
+    layers: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)] | None = None
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
 
 
@@ -263,8 +277,25 @@ class DataReply(_Msg, tag="data_reply"):
     message: str = ""
 
 
-Message = Union[Hello, Challenge, Proof, Welcome, Admit, Grant, Busy, Offer, Done, Released, Ack, Cancel, Error,
-                DataHello, WriteData, ReadData, DataReply]
+Message = (
+    Hello
+    | Challenge
+    | Proof
+    | Welcome
+    | Admit
+    | Grant
+    | Busy
+    | Offer
+    | Done
+    | Released
+    | Ack
+    | Cancel
+    | Error
+    | DataHello
+    | WriteData
+    | ReadData
+    | DataReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -276,7 +307,7 @@ def encode(msg: _Msg) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def frame_length(header: bytes, max_frame: int = MAX_FRAME) -> int:
+def frame_length(header: bytes | bytearray, max_frame: int = MAX_FRAME) -> int:
     """The body length announced by a 4-byte header, refused if oversized or empty."""
     if len(header) != 4:
         raise ProtocolError("truncated frame header")
@@ -299,10 +330,10 @@ def _tag_first(body) -> bool:
         return False
     b = head[0]
     skip = 1 if 0x80 <= b <= 0x8F else 3 if b == 0xDE else 5 if b == 0xDF else 0
-    return bool(skip) and body[skip:skip + 2] == b"\xa1t"
+    return bool(skip) and body[skip : skip + 2] == b"\xa1t"
 
 
-def decode(body: bytes) -> _Msg:
+def decode(body: bytes | bytearray | memoryview) -> _Msg:
     """Decode one frame body; any defect is a ``ProtocolError``."""
     if not _tag_first(body):
         raise ProtocolError("malformed message: not a map starting with its tag 't'")

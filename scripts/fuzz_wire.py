@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import heapq
 import itertools
@@ -27,27 +28,54 @@ from kvxfer.errors import KVXferError
 
 BOUNDARY = [-(2**63), -(2**32), -2, -1, 0, 1, 2**31 - 1, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
 SLOWEST = 50  # inputs kept for re-timing: one slow decode in a run may be the machine, not the input
-CONTAINERS = [b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\xdd\x00\x00\x00\x01", b"\xde\x00\x01\xa1k",
-              b"\xdf\x00\x00\x00\x01\xa1k", b"\x9f", b"\x8f"]
+CONTAINERS = [
+    b"\x91",
+    b"\x81\xa1k",
+    b"\xdc\x00\x01",
+    b"\xdd\x00\x00\x00\x01",
+    b"\xde\x00\x01\xa1k",
+    b"\xdf\x00\x00\x00\x01\xa1k",
+    b"\x9f",
+    b"\x8f",
+]
 
 
 def corpus() -> list[wire._Msg]:
     """Valid messages of every type, with meta, multi-sender fields and a layout."""
-    fp = wire.Fingerprint(version=wire.VERSION, dtype="bfloat16", block_size=16, num_layers=2, layer_bytes=4096,
-                          block_bytes=8192, order="L2 N16 H2 D64")
-    lay = wire.LayoutDesc(num_blocks=64, regions=[wire.RegionDesc(1 << 40, 1 << 20, -1), wire.RegionDesc(0, 64, 0)],
-                          seg_region=[0, 0, 1], seg_offset=[0, 4096, 0], seg_stride=[8192, 8192, 1],
-                          seg_bytes=[4096, 4096, 1], fingerprint=fp)
+    fp = wire.Fingerprint(
+        version=wire.VERSION,
+        dtype="bfloat16",
+        block_size=16,
+        num_layers=2,
+        layer_bytes=4096,
+        block_bytes=8192,
+        order="L2 N16 H2 D64",
+    )
+    lay = wire.LayoutDesc(
+        num_blocks=64,
+        regions=[wire.RegionDesc(1 << 40, 1 << 20, -1), wire.RegionDesc(0, 64, 0)],
+        seg_region=[0, 0, 1],
+        seg_offset=[0, 4096, 0],
+        seg_stride=[8192, 8192, 1],
+        seg_bytes=[4096, 4096, 1],
+        fingerprint=fp,
+    )
     ids = wire.ids_to_bytes([3, 1, 4, 1 << 20])
-    meta = {"num_tokens": 4096, "first_token": 7, "sampling": {"temperature": 0.7, "stop": ["</s>"], "seed": None},
-            "trace": "abc", "nested": [[1, 2], {"a": [True, 1.5]}]}
+    meta = {
+        "num_tokens": 4096,
+        "first_token": 7,
+        "sampling": {"temperature": 0.7, "stop": ["</s>"], "seed": None},
+        "trace": "abc",
+        "nested": [[1, 2], {"a": [True, 1.5]}],
+    }
     return [
         wire.Hello(version=wire.VERSION, peer_id="prefill-0", nonce=b"\x02" * 32),
         wire.Challenge(version=wire.VERSION, peer_id="decode-0", nonce=b"\x03" * 32, proof=b"\x04" * 32),
         wire.Proof(proof=b"\x05" * 32, layout=lay, transports=[("nixl", b"\x01" * 40), ("tcp", b"")]),
         wire.Welcome(session=7, layout=lay, transport="nixl", transport_meta=b"\x01" * 40, mac=b"\x06" * 32),
-        wire.Admit(req="req-1", num_blocks=4, deadline_ms=30000, meta=meta, senders=2, part=1, layers=[0, 1],
-                   attempt=3),
+        wire.Admit(
+            req="req-1", num_blocks=4, deadline_ms=30000, meta=meta, senders=2, part=1, layers=[0, 1], attempt=3
+        ),
         wire.Grant(req="req-1", gen=9, ids=ids, attempt=3),
         wire.Busy(req="req-1", retry_after_ms=250, reason="full", attempt=3),
         wire.Offer(req="req-2", gen=10, ids=ids, lease_ms=5000, meta=meta, digests=b"\x00" * 32),
@@ -89,12 +117,12 @@ class Fuzzer:
             elif op == 2:
                 b[i:i] = r.randbytes(r.choice([1, 2, 4, 9]))
             elif op == 3:
-                del b[i:i + r.choice([1, 2, 8])]
+                del b[i : i + r.choice([1, 2, 8])]
             elif op == 4:
                 del b[i:]
             elif op == 5:
                 j = r.randrange(len(b) + 1)
-                b[i:i] = b[min(i, j):max(i, j)][:256]
+                b[i:i] = b[min(i, j) : max(i, j)][:256]
             else:
                 b[i:i] = r.choice(self.bodies)[: r.randrange(64)]
         return bytes(b)
@@ -108,8 +136,11 @@ class Fuzzer:
         node = tree
         for k in path[:-1]:
             node = node[k]
-        node[path[-1]] = r.choice(BOUNDARY) if r.random() < 0.8 else r.choice(
-            [1.5, "x", b"y", None, True, [1], {"a": 1}, float("nan")])
+        node[path[-1]] = (
+            r.choice(BOUNDARY)
+            if r.random() < 0.8
+            else r.choice([1.5, "x", b"y", None, True, [1], {"a": 1}, float("nan")])
+        )
         return msgspec.msgpack.encode(tree)
 
     def structure(self) -> bytes:
@@ -135,8 +166,12 @@ class Fuzzer:
         nest = r.choice(CONTAINERS) * depth + b"\xc0"
         where = r.randrange(4)
         if where == 0:
-            return msgspec.msgpack.encode({"t": "admit", "req": "r", "num_blocks": 1, "deadline_ms": 1,
-                                           "meta": {"k": None}})[:-1] + nest
+            return (
+                msgspec.msgpack.encode(
+                    {"t": "admit", "req": "r", "num_blocks": 1, "deadline_ms": 1, "meta": {"k": None}}
+                )[:-1]
+                + nest
+            )
         if where == 1:
             return b"\x83\xa1t\xa3ack\xa3req\xa1r\xa1x" + nest
         if where == 2:
@@ -147,10 +182,10 @@ class Fuzzer:
 def _leaves(obj, path=()):
     if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _leaves(v, path + (k,))
+            yield from _leaves(v, (*path, k))
     elif isinstance(obj, list) and obj:
         for i, v in enumerate(obj):
-            yield from _leaves(v, path + (i,))
+            yield from _leaves(v, (*path, i))
     elif path:
         yield path
 
@@ -185,7 +220,7 @@ def run(n: int, seed: int = 1, max_seconds: float | None = None, out=sys.stdout)
             outcome = "ok"
         except KVXferError as e:
             outcome = type(e).__name__
-        except BaseException as e:  # noqa: BLE001 - exactly what the fuzz is looking for
+        except BaseException as e:  # exactly what the fuzz is looking for
             outcome = "UNTYPED " + type(e).__name__
             if len(untyped) < 20:
                 untyped.append((kind, f"{type(e).__name__}: {e}"[:200], bytes(arg[:64])))
@@ -200,18 +235,32 @@ def run(n: int, seed: int = 1, max_seconds: float | None = None, out=sys.stdout)
     print(f"inputs tried: {tried} in {elapsed:.1f} s (seed {seed})", file=out)
     print("inputs by generator: " + ", ".join(f"{k} {v}" for k, v in sorted(by_gen.items())), file=out)
     print(f"decoded ok: {outcomes['ok']}", file=out)
-    print("typed errors: " + (", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())
-                                        if k != "ok" and not k.startswith("UNTYPED")) or "none"), file=out)
+    print(
+        "typed errors: "
+        + (
+            ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()) if k != "ok" and not k.startswith("UNTYPED"))
+            or "none"
+        ),
+        file=out,
+    )
     print(f"untyped exceptions: {n_untyped}", file=out)
     for kind, what, head in untyped:
         print(f"  {kind}: {what} input {head.hex()}", file=out)
     first = max(slowest, default=(0.0, 0, "", None, b""))
     retimed = max(((_best_of(fn, arg), kind, len(arg)) for _, _, kind, fn, arg in slowest), default=(0.0, "", 0))
-    print(f"max decode time: {first[0] * 1e3:.3f} ms as measured in the run ({first[2]}, {len(first[4])} bytes); "
-          f"the {len(slowest)} slowest inputs re-timed (best of 5): at most {retimed[0] * 1e3:.3f} ms "
-          f"({retimed[1]}, {retimed[2]} bytes)", file=out)
-    return {"tried": tried, "untyped": n_untyped, "outcomes": dict(outcomes), "by_gen": dict(by_gen),
-            "max_decode_s": retimed[0]}
+    print(
+        f"max decode time: {first[0] * 1e3:.3f} ms as measured in the run ({first[2]}, {len(first[4])} bytes); "
+        f"the {len(slowest)} slowest inputs re-timed (best of 5): at most {retimed[0] * 1e3:.3f} ms "
+        f"({retimed[1]}, {retimed[2]} bytes)",
+        file=out,
+    )
+    return {
+        "tried": tried,
+        "untyped": n_untyped,
+        "outcomes": dict(outcomes),
+        "by_gen": dict(by_gen),
+        "max_decode_s": retimed[0],
+    }
 
 
 def _best_of(fn, arg, k: int = 5) -> float:
@@ -219,10 +268,8 @@ def _best_of(fn, arg, k: int = 5) -> float:
     best = float("inf")
     for _ in range(k):
         t0 = time.perf_counter()
-        try:
+        with contextlib.suppress(BaseException):  # already counted
             fn(arg)
-        except BaseException:  # noqa: BLE001 - already counted
-            pass
         best = min(best, time.perf_counter() - t0)
     return best
 

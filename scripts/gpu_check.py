@@ -100,15 +100,24 @@ def main(argv=None) -> int:
                 getattr(p, "push" if mode == "push" else "offer")(address, f"{mode}-{pattern}-{r}", ids).wait(60)
                 elapsed = time.perf_counter() - start
                 parent.send("next")
-                req, dst_ids, sums = parent.recv()
+                _, _, sums = parent.recv()
                 idx = torch.as_tensor(ids, device="cuda")
                 want = [t[idx].view(torch.int16).long().sum(dim=(1, 2, 3)).tolist() for t in caches.values()]
                 ok &= sums == want
                 if r:
                     times.append(elapsed)
             gbps = nbytes / float(np.median(times)) / 1e9
-            rows.append({"mode": mode, "pattern": pattern, "bytes": nbytes, "gbps": round(gbps, 2),
-                         "d2d_gbps": round(d2d, 2), "ratio_vs_d2d": round(gbps / d2d, 3), "bytes_ok": ok})
+            rows.append(
+                {
+                    "mode": mode,
+                    "pattern": pattern,
+                    "bytes": nbytes,
+                    "gbps": round(gbps, 2),
+                    "d2d_gbps": round(d2d, 2),
+                    "ratio_vs_d2d": round(gbps / d2d, 3),
+                    "bytes_ok": ok,
+                }
+            )
             print(f"{mode:5} {pattern:10} {gbps:8.2f} GB/s  (torch d2d {d2d:.1f} GB/s)  bytes ok: {ok}")
     parent.send("stop")
     proc.join(30)

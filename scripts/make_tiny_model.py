@@ -29,9 +29,20 @@ def make(out: Path) -> Path:
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     gen = out / "generation_config.json"

@@ -2,7 +2,10 @@ import os
 
 import pytest
 
+from conformance.kvspec import Spec
+from conformance.peers import ProducerProcess as Sender
 from kvxfer import transports
+from local_service import SPEC, Local
 
 ALL_TRANSPORTS = ("tcp", "nixl")
 
@@ -20,6 +23,51 @@ def transport(request):
             pytest.fail(f"transport {name!r} is not available in CI")
         pytest.skip(f"transport {name!r} not available here")
     return name
+
+
+# ---- the receive-service tests (test_runtime, test_multisender) ---------------------------------------------
+@pytest.fixture
+def service(transport):
+    made = []
+
+    def make(spec: Spec = SPEC, **options) -> Local:
+        s = Local(spec, transport, **options)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.svc.close()
+
+
+@pytest.fixture(scope="module")
+def _shared():
+    made = {}
+    yield made
+    for s in made.values():
+        s.close()
+
+
+@pytest.fixture
+def senders(transport, _shared):
+    """Producer processes, reused across tests of one transport (spawning costs ~1 s); ``fresh`` for kills."""
+    fresh = []
+
+    def get(seed: int = 1, spec: Spec = SPEC, new: bool = False) -> Sender:
+        if new:
+            fresh.append(Sender(spec, transport, seed))
+            return fresh[-1]
+        key = (transport, seed, spec)
+        if key not in _shared or not _shared[key].proc.is_alive():
+            _shared[key] = Sender(spec, transport, seed)
+        return _shared[key]
+
+    yield get
+    for s in fresh:
+        s.close()
+    for s in _shared.values():
+        if s.proc.is_alive():
+            s.call("go")
 
 
 _EXIT_STATUS = pytest.StashKey[int]()

@@ -6,6 +6,7 @@ every command tuple with ``("ok", value)`` or ``("err", exception type name, mes
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -28,7 +29,7 @@ def serve(conn, ready, commands: dict) -> None:
             if cmd not in commands:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("ok", commands[cmd](*args)))
-        except Exception as e:  # noqa: BLE001 - report to the parent, typed by name
+        except Exception as e:  # report to the parent, typed by name
             conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
 
 
@@ -74,14 +75,10 @@ class PipedProcess:
         self.proc.join(10)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             self.cont()
-        except ProcessLookupError:
-            pass
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 self.conn.send(("close",))
-            except (BrokenPipeError, OSError):
-                pass
             self.proc.join(10)
         self.kill()

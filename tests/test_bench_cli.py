@@ -16,16 +16,52 @@ import pytest
 from kvxfer.bench import cli, content, models, patterns, report
 from kvxfer.bench.driver import _waves
 
-TINY = ["--model", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-size", "16",
-        "--tokens", "512", "--repeats", "2", "--warmup", "1", "--quiet"]
-REQUIRED = {"transport", "mode", "pattern", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio",
-            "p50_ms", "p99_ms", "descriptors", "total_bytes", "memcpy_gbps", "verified", "ratio_paired"}
+TINY = [
+    "--model",
+    "custom",
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--block-size",
+    "16",
+    "--tokens",
+    "512",
+    "--repeats",
+    "2",
+    "--warmup",
+    "1",
+    "--quiet",
+]
+REQUIRED = {
+    "transport",
+    "mode",
+    "pattern",
+    "block_bytes",
+    "gbps",
+    "baseline",
+    "baseline_gbps",
+    "ratio",
+    "p50_ms",
+    "p99_ms",
+    "descriptors",
+    "total_bytes",
+    "memcpy_gbps",
+    "verified",
+    "ratio_paired",
+}
 
 
 def run_cli(tmp_path, *extra):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "-m", "kvxfer.bench.cli", *TINY, "--json", str(out), *extra],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvxfer.bench.cli", *TINY, "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     rows = json.loads(out.read_text()) if out.exists() else None
     return proc, rows
 
@@ -35,13 +71,12 @@ def test_cli_two_processes_rows_and_exit_code(tmp_path):
     proc, rows = run_cli(tmp_path, "--mode", "push,pull", "--pattern", "all")
     assert proc.returncode == 0, proc.stderr
     assert len(rows) == 6
-    assert {(r["mode"], r["pattern"]) for r in rows} == {(m, p) for m in ("push", "pull")
-                                                          for p in patterns.PATTERNS}
+    assert {(r["mode"], r["pattern"]) for r in rows} == {(m, p) for m in ("push", "pull") for p in patterns.PATTERNS}
     for r in rows:
-        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert set(r) >= REQUIRED, REQUIRED - set(r)
         assert r["transport"] == "tcp" and r["baseline"] == "socket"
         assert r["verified"] is True and r["error"] is None
-        assert r["block_bytes"] == 2 * 16 * 64 * 2          # heads x tokens x (K+V) x bf16
+        assert r["block_bytes"] == 2 * 16 * 64 * 2  # heads x tokens x (K+V) x bf16
         assert r["total_bytes"] == 32 * 2 * r["block_bytes"]  # 512 tokens = 32 blocks, 2 layers
         assert r["verified_bytes"] == (r["repeats"] + r["warmup"]) * r["total_bytes"]
         assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["memcpy_gbps"] > 0
@@ -49,8 +84,8 @@ def test_cli_two_processes_rows_and_exit_code(tmp_path):
         assert r["ratio_paired"] > 0 and len(r["samples_gbps"]) == len(r["baseline_samples_gbps"]) == 2
         assert 0 < r["p50_ms"] <= r["p99_ms"]
     desc = {(r["mode"], r["pattern"]): r["descriptors"] for r in rows}
-    assert desc[("push", "sequential")] == 2     # one run per layer region
-    assert desc[("push", "fragmented")] == 64    # nothing adjacent: one per layer-block
+    assert desc[("push", "sequential")] == 2  # one run per layer region
+    assert desc[("push", "fragmented")] == 64  # nothing adjacent: one per layer-block
     assert "transport  mode" in proc.stdout and "socket" in proc.stdout
 
 
@@ -103,7 +138,7 @@ def _pair(layers=3, blocks=10, geom=None):
 
 
 def _copy(src, dst, s_ids, d_ids):
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         b[d_ids] = a[s_ids]
 
 
@@ -135,10 +170,10 @@ def test_verify_catches_every_kind_of_wrong(damage):
 
 
 def test_content_is_deterministic_and_distinct_per_layer_block():
-    geom, c, src, _ = _pair(layers=2, blocks=6)
+    geom, _, src, _ = _pair(layers=2, blocks=6)
     again = models.allocate(geom, 6)
     content.Content(7, 2, 6, geom.layer_block_bytes).fill(again)
-    assert all(np.array_equal(a, b) for a, b in zip(src, again))
+    assert all(np.array_equal(a, b) for a, b in zip(src, again, strict=True))
     rows = np.concatenate([content._rows(a) for a in src])
     assert len({r.tobytes() for r in rows}) == len(rows)
 
@@ -169,15 +204,29 @@ def test_waves_fit_capacity():
 
 def test_presets_match_the_models():
     g = models.PRESETS["llama-3-8b"]
-    assert g.block_bytes * g.blocks_for(4096) == 512 << 20           # 0.54 GB for a 4k-token prompt
+    assert g.block_bytes * g.blocks_for(4096) == 512 << 20  # 0.54 GB for a 4k-token prompt
     assert models.PRESETS["llama-3-70b"].layer_block_bytes == 8 << 10  # one KV head per TP-8 shard
     assert models.PRESETS["deepseek-v3"].layer_block_bytes == 16 * 576 * 2
 
 
 def test_table_renders_missing_values():
-    row = {"transport": "tcp", "mode": "push", "pattern": "sequential", "block_bytes": 65536, "block_size": 16,
-           "total_bytes": 512 << 20, "descriptors": None, "gbps": None, "p50_ms": None, "p99_ms": None,
-           "baseline": None, "baseline_gbps": None, "ratio": None, "memcpy_gbps": 9.0, "verified": False,
-           "error": "PeerError: gone"}
+    row = {
+        "transport": "tcp",
+        "mode": "push",
+        "pattern": "sequential",
+        "block_bytes": 65536,
+        "block_size": 16,
+        "total_bytes": 512 << 20,
+        "descriptors": None,
+        "gbps": None,
+        "p50_ms": None,
+        "p99_ms": None,
+        "baseline": None,
+        "baseline_gbps": None,
+        "ratio": None,
+        "memcpy_gbps": 9.0,
+        "verified": False,
+        "error": "PeerError: gone",
+    }
     text = report.table([row])
     assert "FAILED" in text and "PeerError: gone" in text and "512 MiB" in text

@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from kvxfer import PeerError, ProtocolError, TimeoutError, wire
+from kvxfer import DeadlineError, PeerError, ProtocolError, wire
 from kvxfer.channel import Channel
 
 
@@ -29,7 +29,7 @@ def _dribble(sock: socket.socket, data: bytes, every: float, stop: threading.Eve
             for i in range(len(data)):
                 if stop.wait(every):
                     break
-                sock.sendall(data[i:i + 1])
+                sock.sendall(data[i : i + 1])
         except OSError:
             pass
         finally:
@@ -46,7 +46,7 @@ def test_a_dribbling_peer_times_out_within_the_whole_message_deadline(pair):
     # announces 64 MiB, then a byte every 0.1 s: each read succeeds, only a whole-message deadline ends it
     t = _dribble(peer, struct.pack(">I", 64 << 20) + b"\x00" * 100, 0.1, stop)
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(DeadlineError):
         ch.recv(1.0)
     elapsed = time.monotonic() - t0
     stop.set()
@@ -58,7 +58,7 @@ def test_a_dribbled_header_times_out(pair):
     ch, peer = pair
     stop = threading.Event()
     t = _dribble(peer, b"\x00\x00\x00\x10" + b"\x00" * 16, 0.4, stop)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(DeadlineError):
         ch.recv(1.0)
     stop.set()
     t.join(5)
@@ -69,7 +69,7 @@ def test_the_announced_size_is_not_allocated_up_front(pair):
     peer.sendall(struct.pack(">I", 64 << 20) + b"\x00" * 4096)
     tracemalloc.start()
     try:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(DeadlineError):
             ch.recv(0.3)
         _, peak = tracemalloc.get_traced_memory()
     finally:

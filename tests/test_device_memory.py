@@ -13,8 +13,13 @@ class FakeCudaArray:
     """Looks like a cupy array on device 1 to kvxfer; never dereferenced."""
 
     def __init__(self, shape, typestr="<f2", ptr=0x7F0000000000, strides=None):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
-                                         "strides": strides, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": strides,
+            "version": 3,
+        }
         self.device = type("Dev", (), {"id": 1})()
 
 

@@ -16,8 +16,25 @@ import pytest
 from kvxfer import transports
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--model", "custom", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-size", "16",
-        "--tokens", "256", "--repeats", "1", "--warmup", "0", "--quiet"]
+TINY = [
+    "--model",
+    "custom",
+    "--layers",
+    "2",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--block-size",
+    "16",
+    "--tokens",
+    "256",
+    "--repeats",
+    "1",
+    "--warmup",
+    "0",
+    "--quiet",
+]
 
 
 def _require(ok: bool, why: str) -> None:
@@ -59,18 +76,22 @@ def test_the_crash_stand_in_crashes_a_plain_exit():
 
 @pytest.mark.parametrize("extra, status", [([], 0), (["--inject-corruption"], 1)], ids=["ok", "failed-run"])
 def test_bench_cli_status_survives_a_crashing_native_teardown(nixl, extra, status):
-    run_cli = ("import runpy, sys\n"
-               f"sys.argv = ['kvxfer-bench', '--transport', 'nixl', *{TINY + extra!r}]\n"
-               "runpy.run_module('kvxfer.bench.cli', run_name='__main__', alter_sys=True)\n")
+    run_cli = (
+        "import runpy, sys\n"
+        f"sys.argv = ['kvxfer-bench', '--transport', 'nixl', *{TINY + extra!r}]\n"
+        "runpy.run_module('kvxfer.bench.cli', run_name='__main__', alter_sys=True)\n"
+    )
     proc = _run([sys.executable, "-c", CRASH_AT_NATIVE_EXIT + run_cli], timeout=120)
     assert proc.returncode == status, (proc.returncode, proc.stderr[-2000:])
     assert "nixl-raw" in proc.stdout
 
 
 def test_test_run_status_survives_a_crashing_native_teardown(nixl):
-    run_pytest = ("import pytest, sys\n"
-                  "sys.exit(pytest.main(['tests/test_exit_status.py::test_program_using_the_nixl_transport_exits_zero',"
-                  " '-q', '-p', 'no:cacheprovider']))\n")
+    run_pytest = (
+        "import pytest, sys\n"
+        "sys.exit(pytest.main(['tests/test_exit_status.py::test_program_using_the_nixl_transport_exits_zero',"
+        " '-q', '-p', 'no:cacheprovider']))\n"
+    )
     proc = _run([sys.executable, "-c", CRASH_AT_NATIVE_EXIT + run_pytest], timeout=120)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "1 passed" in proc.stdout
@@ -101,7 +122,8 @@ def test_program_using_the_nixl_transport_exits_zero(nixl):
 @pytest.mark.timeout(360)  # a whole test run in a child: vLLM's import and engine set-up take most of a minute
 def test_test_run_holding_vllm_nixl_agents_exits_zero(nixl):
     _require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed")
-    proc = _run([sys.executable, "-m", "pytest", "tests/vllm/test_vllm_multi.py", "-q", "-p", "no:cacheprovider"],
-                timeout=300)
+    proc = _run(
+        [sys.executable, "-m", "pytest", "tests/vllm/test_vllm_multi.py", "-q", "-p", "no:cacheprovider"], timeout=300
+    )
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert "1 passed" in proc.stdout

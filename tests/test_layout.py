@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from kvxfer import KVLayout, LayoutError
-from kvxfer.layout import check_compatible
 from kvxfer.errors import IncompatibleError
+from kvxfer.layout import check_compatible
 
 
 def _vllm_view(nb, H, bs, C, order, dtype=torch.bfloat16):
@@ -154,9 +154,17 @@ def test_equal_meanings_still_pair_however_segmented():
     check_compatible(_fp(nhd_views), _fp([np.zeros((4, 16, 2, 8), np.float16)] * 3, dims="BNHD"))
 
 
-@pytest.mark.parametrize("dims,match", [("BHN", "one letter each"), ("BHNX", "unknown letters"),
-                                        ("BHHD", "at most once"), ("HNDK", "B exactly once"),
-                                        ("BKND", "K dim has size 4"), ("BHND", "N dim has size 4, but block_size")])
+@pytest.mark.parametrize(
+    "dims,match",
+    [
+        ("BHN", "one letter each"),
+        ("BHNX", "unknown letters"),
+        ("BHHD", "at most once"),
+        ("HNDK", "B exactly once"),
+        ("BKND", "K dim has size 4"),
+        ("BHND", "N dim has size 4, but block_size"),
+    ],
+)
 def test_bad_dims_are_refused(dims, match):
     with pytest.raises(LayoutError, match=match):
         KVLayout.from_tensors([np.zeros((4, 4, 4, 8))], dims=dims, block_size=2 if dims == "BHND" else None)
@@ -180,10 +188,12 @@ def test_lookalike_layouts_are_refused_end_to_end_over_tcp():
     src = _vllm_view(8, 4, 4, 8, (0, 2, 1, 3), torch.float16)  # NHD memory
     src.view(torch.int16).copy_(torch.arange(src.numel(), dtype=torch.int16).view(src.shape))
     dst = _vllm_view(8, 4, 4, 8, (0, 1, 2, 3), torch.float16)  # HND memory, same logical shape
-    with Consumer(KVLayout.from_tensors([dst]), transport="tcp") as c, \
-            Producer(KVLayout.from_tensors([src]), transport="tcp") as p:
-        with pytest.raises(IncompatibleError, match="order"):
-            p.push(c.address, "r", [1, 2], deadline=10).wait()
+    with (
+        Consumer(KVLayout.from_tensors([dst]), transport="tcp") as c,
+        Producer(KVLayout.from_tensors([src]), transport="tcp") as p,
+        pytest.raises(IncompatibleError, match="order"),
+    ):
+        p.push(c.address, "r", [1, 2], deadline=10).wait()
     assert not dst.any()
 
 
@@ -198,18 +208,21 @@ def _desc(**changes):
     return msgspec.structs.replace(d, **changes)
 
 
-@pytest.mark.parametrize("changes", [
-    {"num_blocks": 2**64 - 1},  # raised OverflowError
-    {"num_blocks": 0},
-    {"num_blocks": 5, "seg_stride": [2**62]},  # (5 - 1) * 2**62 wraps int64 to 0: was welcomed
-    {"seg_offset": [2**63 - 1]},  # offset + bytes wraps negative: was welcomed
-    {"seg_offset": [2**64]},
-    {"seg_bytes": [-8]},
-    {"seg_region": [2**63]},
-    {"regions": {"nbytes": 2**63}},
-    {"regions": {"ptr": -1}},
-    {"regions": {"ptr": 2**64 - 8}},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"num_blocks": 2**64 - 1},  # raised OverflowError
+        {"num_blocks": 0},
+        {"num_blocks": 5, "seg_stride": [2**62]},  # (5 - 1) * 2**62 wraps int64 to 0: was welcomed
+        {"seg_offset": [2**63 - 1]},  # offset + bytes wraps negative: was welcomed
+        {"seg_offset": [2**64]},
+        {"seg_bytes": [-8]},
+        {"seg_region": [2**63]},
+        {"regions": {"nbytes": 2**63}},
+        {"regions": {"ptr": -1}},
+        {"regions": {"ptr": 2**64 - 8}},
+    ],
+)
 def test_out_of_range_numbers_in_a_peers_layout_are_layout_errors(changes):
     with pytest.raises(LayoutError):
         KVLayout.from_desc(_desc(**changes))
@@ -224,8 +237,14 @@ def test_segment_sums_that_would_wrap_are_refused():
     d = _desc()
     big = 2**62
     d = msgspec.structs.replace(
-        d, num_blocks=1, regions=[wire.RegionDesc(i * big, big, -1) for i in range(n)], seg_region=list(range(n)),
-        seg_offset=[0] * n, seg_stride=[big] * n, seg_bytes=[big] * n,
-        fingerprint=msgspec.structs.replace(d.fingerprint, block_bytes=(n * big) % 2**64))
+        d,
+        num_blocks=1,
+        regions=[wire.RegionDesc(i * big, big, -1) for i in range(n)],
+        seg_region=list(range(n)),
+        seg_offset=[0] * n,
+        seg_stride=[big] * n,
+        seg_bytes=[big] * n,
+        fingerprint=msgspec.structs.replace(d.fingerprint, block_bytes=(n * big) % 2**64),
+    )
     with pytest.raises(LayoutError):
         KVLayout.from_desc(d)

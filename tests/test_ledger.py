@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvxfer import BlockError, BusyError, CancelledError, FreeList, StaleError, TimeoutError
+from kvxfer import BlockError, BusyError, CancelledError, DeadlineError, FreeList, StaleError
 from kvxfer.ledger import Grants, Leases
 
 
@@ -63,7 +63,7 @@ def test_receive_in_progress_delays_the_free():
     g = _grants()
     slot, _ = g.admit(1, "r", 4, 10, 0)
     g.begin_receive(slot)
-    g.fail("r", TimeoutError("late"), now=1)
+    g.fail("r", DeadlineError("late"), now=1)
     assert g.allocator.num_free == 12  # a receive still writes into them
     g.end_receive(slot, 0, now=1)
     g.reap(now=1)
@@ -73,7 +73,7 @@ def test_receive_in_progress_delays_the_free():
 def test_one_sided_quarantine():
     g = _grants(quarantine=2.0)
     g.admit(1, "r", 4, 10, 0)
-    g.fail("r", TimeoutError("late"), now=1, one_sided=True)
+    g.fail("r", DeadlineError("late"), now=1, one_sided=True)
     assert g.allocator.num_free == 12
     g.reap(now=2.5)
     assert g.allocator.num_free == 12
@@ -85,7 +85,7 @@ def test_peer_lost_frees_at_once():
     g = _grants(quarantine=60)
     g.admit(7, "a", 3, 10, 0)
     g.admit(8, "b", 3, 10, 0)
-    lost = g.peer_lost(7, TimeoutError("gone"), now=1)
+    lost = g.peer_lost(7, DeadlineError("gone"), now=1)
     assert [s.req for s in lost] == ["a"] and g.allocator.num_free == 13
 
 
@@ -149,29 +149,29 @@ def test_parts_must_agree_and_cover_every_layer():
     g = _multi()
     g.admit(1, "r", 3, 10, 0, senders=3, part=0, layers=[0])
     with pytest.raises(BlockError):
-        g.admit(2, "r", 4, 10, 0, senders=3, part=1, layers=[1])   # another block count
+        g.admit(2, "r", 4, 10, 0, senders=3, part=1, layers=[1])  # another block count
     with pytest.raises(BlockError):
-        g.admit(2, "r", 3, 10, 0, senders=3, part=1, layers=[0])   # overlapping layers
+        g.admit(2, "r", 3, 10, 0, senders=3, part=1, layers=[0])  # overlapping layers
     g.admit(2, "r", 3, 10, 0, senders=3, part=1, layers=[1])
     with pytest.raises(BlockError):
-        g.admit(3, "r", 3, 10, 0, senders=3, part=2, layers=[2])   # layer 3 would be missing
+        g.admit(3, "r", 3, 10, 0, senders=3, part=2, layers=[2])  # layer 3 would be missing
     with pytest.raises(BlockError):
-        g.admit(3, "x", 3, 10, 0, senders=2, part=2, layers=[0])   # no such part
+        g.admit(3, "x", 3, 10, 0, senders=2, part=2, layers=[0])  # no such part
     with pytest.raises(BlockError):
-        g.admit(3, "y", 3, 10, 0, layers=[0])                      # a single sender carries every layer
+        g.admit(3, "y", 3, 10, 0, layers=[0])  # a single sender carries every layer
 
 
 def test_missing_part_expires_and_a_lost_part_fails_the_request():
     g = _multi(quarantine=5)
     slot, _ = g.admit(1, "r", 2, deadline=5, now=0, senders=2, part=0, layers=[0, 1])
     assert g.expired(now=5) == [slot]
-    g.fail("r", TimeoutError("1 of 2 senders never came"), now=5, one_sided=True)
+    g.fail("r", DeadlineError("1 of 2 senders never came"), now=5, one_sided=True)
     assert g.allocator.num_free == 14  # quarantined: part 0 may still be writing
-    g.peer_lost(1, TimeoutError("gone"), now=6)
+    g.peer_lost(1, DeadlineError("gone"), now=6)
     assert g.allocator.num_free == 16
     s2, _ = g.admit(1, "q", 2, 10, 0, senders=2, part=0, layers=[0, 1])
     g.admit(2, "q", 2, 10, 0, senders=2, part=1, layers=[2, 3])
-    assert [s.req for s in g.peer_lost(2, TimeoutError("rank 1 died"), now=1)] == ["q"]
+    assert [s.req for s in g.peer_lost(2, DeadlineError("rank 1 died"), now=1)] == ["q"]
     assert g.allocator.num_free == 16 and s2.error is not None
 
 

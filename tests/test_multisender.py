@@ -7,9 +7,10 @@ import pytest
 
 from conformance.kvspec import Spec, as_bytes
 from conformance.peers import wait_for
+from kvxfer import DeadlineError
 from kvxfer.runtime import handoff_meta
+from local_service import SPEC
 from procs import RemoteError
-from test_runtime import SPEC, service, senders, _shared  # noqa: F401 - shared fixtures
 
 CROSS = Spec(kind="cross_layer", num_blocks=64, layers=4, heads=2, block_size=4, head_dim=8)
 
@@ -26,11 +27,19 @@ def test_two_ranks_each_send_half_the_layers(service, senders, dst):
     r0, r1 = senders(1), senders(2)
     src = np.array([7, 8, 9, 30, 2])
     r1.call("hold")
-    r0.push(svc.address, "tp", src, wait=False, senders=2, part=0, layers=[0, 2],
-            meta=handoff_meta(num_tokens=19, first_token=42, sampling={"seed": 5}))
+    r0.push(
+        svc.address,
+        "tp",
+        src,
+        wait=False,
+        senders=2,
+        part=0,
+        layers=[0, 2],
+        meta=handoff_meta(num_tokens=19, first_token=42, sampling={"seed": 5}),
+    )
     r1.push(svc.address, "tp", src, wait=False, senders=2, part=1, layers=[1, 3], meta={"rank": 1})
     wait_for(lambda: svc.stats()["inflight"] == 1, 5)
-    with pytest.raises(Exception):  # rank 0 moved its layers, rank 1 is held: not ready
+    with pytest.raises(DeadlineError):  # rank 0 moved its layers, rank 1 is held: not ready
         svc.next(0.3)
     r1.call("go")
     assert r1.call("wait", "tp", 10)["status"] == "done"

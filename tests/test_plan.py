@@ -11,33 +11,48 @@ def _layout(kind, nb=32, L=3):
     if kind == "cross":
         return KVLayout.from_tensors(np.zeros((nb, L, 4, 2, 8), np.uint8), block_size=4, num_layers=L)
     if kind == "kv":
-        return KVLayout.from_tensors([(np.zeros((nb, 4, 2, 4), np.uint8), np.zeros((nb, 4, 2, 4), np.uint8))
-                                      for _ in range(L)], block_size=4)
+        return KVLayout.from_tensors(
+            [(np.zeros((nb, 4, 2, 4), np.uint8), np.zeros((nb, 4, 2, 4), np.uint8)) for _ in range(L)], block_size=4
+        )
     return KVLayout.from_tensors([np.zeros((nb, 4, 2, 8), np.uint8) for _ in range(L)], block_size=4)
 
 
 def _naive(a, b, src, dst):
     """Byte-level reference: (src address, dst address) of every byte, in stream order."""
     pairs = []
-    for s, d in zip(src, dst):
-        sa = np.concatenate([np.arange(a.seg_bytes[k]) + a.regions[a.seg_region[k]].ptr + a.seg_offset[k]
-                             + s * a.seg_stride[k] for k in range(a.num_segments)])
-        da = np.concatenate([np.arange(b.seg_bytes[k]) + b.regions[b.seg_region[k]].ptr + b.seg_offset[k]
-                             + d * b.seg_stride[k] for k in range(b.num_segments)])
+    for s, d in zip(src, dst, strict=True):
+        sa = np.concatenate(
+            [
+                np.arange(a.seg_bytes[k]) + a.regions[a.seg_region[k]].ptr + a.seg_offset[k] + s * a.seg_stride[k]
+                for k in range(a.num_segments)
+            ]
+        )
+        da = np.concatenate(
+            [
+                np.arange(b.seg_bytes[k]) + b.regions[b.seg_region[k]].ptr + b.seg_offset[k] + d * b.seg_stride[k]
+                for k in range(b.num_segments)
+            ]
+        )
         pairs.append(np.stack([sa, da], 1))
     return pairs
 
 
 def _expand(plan, a, b):
     rows = []
-    for sr, so, dr, do, n in zip(plan.src.region, plan.src.offset, plan.dst.region, plan.dst.offset, plan.src.nbytes):
+    for sr, so, dr, do, n in zip(
+        plan.src.region, plan.src.offset, plan.dst.region, plan.dst.offset, plan.src.nbytes, strict=True
+    ):
         rows.append(np.stack([np.arange(n) + a.regions[sr].ptr + so, np.arange(n) + b.regions[dr].ptr + do], 1))
     return np.concatenate(rows)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(["per", "cross", "kv"]), st.sampled_from(["per", "cross", "kv"]),
-       st.integers(1, 32), st.randoms(use_true_random=False))
+@given(
+    st.sampled_from(["per", "cross", "kv"]),
+    st.sampled_from(["per", "cross", "kv"]),
+    st.integers(1, 32),
+    st.randoms(use_true_random=False),
+)
 def test_plan_moves_exactly_the_right_bytes(ka, kb, n, rnd):
     a, b = _layout(ka), _layout(kb)
     src = np.array(rnd.sample(range(32), n))
@@ -66,8 +81,9 @@ def test_window_splits_extents():
     assert w.offset[0] == ext.offset[0] + 10
 
 
-@pytest.mark.parametrize("ids,msg", [([40], "out of range"), ([1, 1], "duplicates"), ([[1]], "1-D"),
-                                     ([], "empty"), ([1.5], "integers")])
+@pytest.mark.parametrize(
+    "ids,msg", [([40], "out of range"), ([1, 1], "duplicates"), ([[1]], "1-D"), ([], "empty"), ([1.5], "integers")]
+)
 def test_bad_ids(ids, msg):
     with pytest.raises(BlockError, match=msg):
         check_ids(np.array(ids), 32)

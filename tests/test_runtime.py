@@ -8,81 +8,10 @@ import pytest
 
 from conformance.kvspec import Spec, block_bytes, untouched
 from conformance.peers import wait_for
-from kvxfer import KVLayout
-from kvxfer.runtime import Handoff, PagedPool, ReceiveService, handoff_meta
-from conformance.peers import ProducerProcess as Sender
+from kvxfer import DeadlineError
+from kvxfer.runtime import Handoff, PagedPool, handoff_meta
+from local_service import SENTINEL, SPEC, Local
 from procs import RemoteError
-
-SPEC = Spec(kind="nhd", num_blocks=64, layers=4, heads=2, block_size=4, head_dim=8)
-SENTINEL = 0xAB
-OPTIONS = {"quarantine": 0.2, "deadline": 10.0}
-
-
-class Local:
-    """A ReceiveService in the test process over sentinel-filled memory, so tests can read its blocks."""
-
-    def __init__(self, spec: Spec, transport: str, **options):
-        self.spec = spec
-        tensors, kw, self.views, self.raw = spec.build(fill=SENTINEL)
-        layout = KVLayout.from_tensors(tensors, **kw)
-        self.pool = options.pop("pool", None) or PagedPool(spec.num_blocks, spec.block_size)
-        self.svc = ReceiveService(layout, self.pool, transport=transport, **{**OPTIONS, **options})
-        self.address = self.svc.address
-
-    def __getattr__(self, name):
-        return getattr(self.svc, name)
-
-    def settled(self) -> bool:
-        s = self.svc.stats()
-        return self.pool.num_free == self.pool.capacity and s["inflight"] == 0 and s["dying"] == 0 \
-            and s["handed"] == 0
-
-    def metric(self, name: str) -> float:
-        return self.svc.metrics.value(f"kvxfer_receive_{name}")
-
-
-@pytest.fixture
-def service(transport):
-    made = []
-
-    def make(spec: Spec = SPEC, **options) -> Local:
-        s = Local(spec, transport, **options)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.svc.close()
-
-
-@pytest.fixture(scope="module")
-def _shared():
-    made = {}
-    yield made
-    for s in made.values():
-        s.close()
-
-
-@pytest.fixture
-def senders(transport, _shared):
-    """Producer processes, reused across tests of one transport (spawning costs ~1 s); ``fresh`` for kills."""
-    fresh = []
-
-    def get(seed: int = 1, spec: Spec = SPEC, new: bool = False) -> Sender:
-        if new:
-            fresh.append(Sender(spec, transport, seed))
-            return fresh[-1]
-        key = (transport, seed, spec)
-        if key not in _shared or not _shared[key].proc.is_alive():
-            _shared[key] = Sender(spec, transport, seed)
-        return _shared[key]
-
-    yield get
-    for s in fresh:
-        s.close()
-    for s in _shared.values():
-        if s.proc.is_alive():
-            s.call("go")
 
 
 def source(seed: int, spec: Spec = SPEC):
@@ -91,7 +20,7 @@ def source(seed: int, spec: Spec = SPEC):
 
 def same_bytes(svc: Local, h: Handoff, src_ids, seed: int) -> bool:
     got, want = block_bytes(svc.views, h.block_ids), block_bytes(source(seed), src_ids)
-    return all(np.array_equal(a, b) for a, b in zip(got, want))
+    return all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_handoff_event_bytes_meta_metrics(service, senders):
@@ -183,7 +112,7 @@ def test_cancel_mid_transfer(service, senders):
     with pytest.raises(RemoteError) as e:  # the tombstone refuses the id for a while
         p.push(svc.address, "c", [1])
     assert e.value.kind == "CancelledError"
-    with pytest.raises(Exception):
+    with pytest.raises(DeadlineError):
         svc.next(0.2)
     assert svc.metric("requests_failed_total") == 1
 

@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-from conformance.test_auth import Recorder
 
+from conformance.test_auth import Recorder
 from kvxfer import AuthError, Consumer, KVLayout, KVXferError, Producer, tls
 
 PATTERN = np.frombuffer(b"KVXFER-PLAINTEXT", np.uint8)

@@ -1,3 +1,5 @@
+import contextlib
+
 import msgspec
 import numpy as np
 import pytest
@@ -8,21 +10,37 @@ from kvxfer import ProtocolError, wire
 
 
 def test_roundtrip_every_message():
-    fp = wire.Fingerprint(version=1, dtype="bfloat16", block_size=16, num_layers=2, layer_bytes=8, block_bytes=16,
-                          order="16x8")
-    lay = wire.LayoutDesc(num_blocks=1, regions=[wire.RegionDesc(1, 2, -1)], seg_region=[0], seg_offset=[0],
-                          seg_stride=[16], seg_bytes=[16], fingerprint=fp)
-    msgs = [wire.Hello(version=1, peer_id="p", nonce=b"n" * 32),
-            wire.Challenge(version=1, peer_id="c", nonce=b"m" * 32, proof=b"p" * 32),
-            wire.Proof(proof=b"p" * 32, layout=lay, transports=[("nixl", b"meta"), ("tcp", b"")]),
-            wire.Welcome(session=3, layout=lay, transport="tcp", mac=b"w" * 32),
-            wire.Admit(req="r", num_blocks=2, deadline_ms=5, meta={"first_token": 1}),
-            wire.Grant(req="r", gen=1, ids=wire.ids_to_bytes([1, 2])), wire.Busy(req="r", retry_after_ms=3),
-            wire.Offer(req="r", gen=1, ids=b"", lease_ms=1), wire.Done(req="r", gen=1, nbytes=3),
-            wire.Released(req="r", gen=1, nbytes=3), wire.Ack(req="r", gen=1), wire.Cancel(req="r", gen=1),
-            wire.Error(req="r", code="x", message="y"), wire.DataHello(session=1),
-            wire.WriteData(req="r", gen=1, ids=b"", offset=0, length=1),
-            wire.ReadData(req="r", gen=1, ids=b"", offset=0, length=1), wire.DataReply(req="r", ok=True)]
+    fp = wire.Fingerprint(
+        version=1, dtype="bfloat16", block_size=16, num_layers=2, layer_bytes=8, block_bytes=16, order="16x8"
+    )
+    lay = wire.LayoutDesc(
+        num_blocks=1,
+        regions=[wire.RegionDesc(1, 2, -1)],
+        seg_region=[0],
+        seg_offset=[0],
+        seg_stride=[16],
+        seg_bytes=[16],
+        fingerprint=fp,
+    )
+    msgs = [
+        wire.Hello(version=1, peer_id="p", nonce=b"n" * 32),
+        wire.Challenge(version=1, peer_id="c", nonce=b"m" * 32, proof=b"p" * 32),
+        wire.Proof(proof=b"p" * 32, layout=lay, transports=[("nixl", b"meta"), ("tcp", b"")]),
+        wire.Welcome(session=3, layout=lay, transport="tcp", mac=b"w" * 32),
+        wire.Admit(req="r", num_blocks=2, deadline_ms=5, meta={"first_token": 1}),
+        wire.Grant(req="r", gen=1, ids=wire.ids_to_bytes([1, 2])),
+        wire.Busy(req="r", retry_after_ms=3),
+        wire.Offer(req="r", gen=1, ids=b"", lease_ms=1),
+        wire.Done(req="r", gen=1, nbytes=3),
+        wire.Released(req="r", gen=1, nbytes=3),
+        wire.Ack(req="r", gen=1),
+        wire.Cancel(req="r", gen=1),
+        wire.Error(req="r", code="x", message="y"),
+        wire.DataHello(session=1),
+        wire.WriteData(req="r", gen=1, ids=b"", offset=0, length=1),
+        wire.ReadData(req="r", gen=1, ids=b"", offset=0, length=1),
+        wire.DataReply(req="r", ok=True),
+    ]
     for m in msgs:
         frame = wire.encode(m)
         assert wire.frame_length(frame[:4]) == len(frame) - 4
@@ -51,20 +69,20 @@ RELAXED = settings(suppress_health_check=[HealthCheck.too_slow], deadline=None, 
 @RELAXED
 @given(st.binary(max_size=200))
 def test_untrusted_bytes_only_raise_protocol_errors(data):
-    try:
+    with contextlib.suppress(ProtocolError):
         wire.decode(data)
-    except ProtocolError:
-        pass
 
 
 @RELAXED
-@given(st.dictionaries(st.sampled_from(["t", "req", "gen", "ids", "nbytes", "x"]),
-                       st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=5), st.binary(max_size=5), st.none())))
+@given(
+    st.dictionaries(
+        st.sampled_from(["t", "req", "gen", "ids", "nbytes", "x"]),
+        st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.binary(max_size=5), st.none()),
+    )
+)
 def test_untrusted_maps_only_raise_protocol_errors(obj):
-    try:
+    with contextlib.suppress(ProtocolError):
         wire.decode(msgspec.msgpack.encode(obj))
-    except ProtocolError:
-        pass
 
 
 # ---- hostile input: nesting, numbers, meta --------------------------------------------------------------------
@@ -84,9 +102,11 @@ def test_deeply_nested_meta_is_a_protocol_error(depth):
 
 def test_deep_nesting_anywhere_is_a_protocol_error():
     deep = b"\x91" * 5000 + b"\x00"
-    for body in (b"\x83\xa1x" + deep + b"\xa1t\xa3ack\xa3req\xa1r",  # before the tag: msgspec would skip it
-                 b"\x83\xa1t\xa3ack\xa3req\xa1r\xa1x" + deep,  # an unknown field
-                 b"\x82\xa1t\xa5hello\xa6layout" + deep):
+    for body in (
+        b"\x83\xa1x" + deep + b"\xa1t\xa3ack\xa3req\xa1r",  # before the tag: msgspec would skip it
+        b"\x83\xa1t\xa3ack\xa3req\xa1r\xa1x" + deep,  # an unknown field
+        b"\x82\xa1t\xa5hello\xa6layout" + deep,
+    ):
         with pytest.raises(ProtocolError, match="malformed"):
             wire.decode(body)
 
@@ -112,10 +132,12 @@ def test_meta_is_a_bounded_json_like_dict():
     ok = {"num_tokens": 3, "sampling": {"temperature": 0.7, "stop": ["a", "b"], "seed": None}, "x": [[[1]]]}
     m = wire.Admit(req="r", num_blocks=1, deadline_ms=1, meta=ok)
     assert wire.decode(wire.encode(m)[4:]) == m
-    for meta in ({"k": [[[[[1]]]]]},  # five containers below meta: one too deep
-                 {str(i): i for i in range(wire.META_ITEMS + 1)},
-                 {"k": list(range(wire.META_ITEMS + 1))},
-                 {"k": {1: 2}}):  # keys are strings, as in JSON
+    for meta in (
+        {"k": [[[[[1]]]]]},  # five containers below meta: one too deep
+        {str(i): i for i in range(wire.META_ITEMS + 1)},
+        {"k": list(range(wire.META_ITEMS + 1))},
+        {"k": {1: 2}},
+    ):  # keys are strings, as in JSON
         with pytest.raises(ProtocolError):
             wire.decode(wire.encode(wire.Admit(req="r", num_blocks=1, deadline_ms=1, meta=meta))[4:])
 
@@ -127,20 +149,37 @@ def test_a_message_whose_tag_is_not_first_is_refused():
 
 
 def _every_message():
-    fp = wire.Fingerprint(version=2, dtype="bfloat16", block_size=16, num_layers=2, layer_bytes=8, block_bytes=16,
-                          order="L2 N16 D8")
-    lay = wire.LayoutDesc(num_blocks=1, regions=[wire.RegionDesc(1, 2, -1)], seg_region=[0], seg_offset=[0],
-                          seg_stride=[16], seg_bytes=[16], fingerprint=fp)
-    return [wire.Hello(version=1, peer_id="p", nonce=b"n" * 32),
-            wire.Challenge(version=1, peer_id="c", nonce=b"m" * 32, proof=b"p" * 32),
-            wire.Proof(proof=b"p" * 32, layout=lay, transports=[("tcp", b"")]),
-            wire.Welcome(session=3, layout=lay, transport="tcp", mac=b"w" * 32),
-            wire.Admit(req="r", num_blocks=2, deadline_ms=5, layers=[0]), wire.Grant(req="r", gen=1, ids=b""),
-            wire.Busy(req="r", retry_after_ms=3), wire.Offer(req="r", gen=1, ids=b"", lease_ms=1),
-            wire.Done(req="r", gen=1, nbytes=3), wire.Released(req="r", gen=1, nbytes=3), wire.Ack(req="r", gen=1),
-            wire.Cancel(req="r", gen=1), wire.Error(req="r", code="x", message="y"), wire.DataHello(session=1),
-            wire.WriteData(req="r", gen=1, ids=b"", offset=0, length=1),
-            wire.ReadData(req="r", gen=1, ids=b"", offset=0, length=1), wire.DataReply(req="r", ok=True)]
+    fp = wire.Fingerprint(
+        version=2, dtype="bfloat16", block_size=16, num_layers=2, layer_bytes=8, block_bytes=16, order="L2 N16 D8"
+    )
+    lay = wire.LayoutDesc(
+        num_blocks=1,
+        regions=[wire.RegionDesc(1, 2, -1)],
+        seg_region=[0],
+        seg_offset=[0],
+        seg_stride=[16],
+        seg_bytes=[16],
+        fingerprint=fp,
+    )
+    return [
+        wire.Hello(version=1, peer_id="p", nonce=b"n" * 32),
+        wire.Challenge(version=1, peer_id="c", nonce=b"m" * 32, proof=b"p" * 32),
+        wire.Proof(proof=b"p" * 32, layout=lay, transports=[("tcp", b"")]),
+        wire.Welcome(session=3, layout=lay, transport="tcp", mac=b"w" * 32),
+        wire.Admit(req="r", num_blocks=2, deadline_ms=5, layers=[0]),
+        wire.Grant(req="r", gen=1, ids=b""),
+        wire.Busy(req="r", retry_after_ms=3),
+        wire.Offer(req="r", gen=1, ids=b"", lease_ms=1),
+        wire.Done(req="r", gen=1, nbytes=3),
+        wire.Released(req="r", gen=1, nbytes=3),
+        wire.Ack(req="r", gen=1),
+        wire.Cancel(req="r", gen=1),
+        wire.Error(req="r", code="x", message="y"),
+        wire.DataHello(session=1),
+        wire.WriteData(req="r", gen=1, ids=b"", offset=0, length=1),
+        wire.ReadData(req="r", gen=1, ids=b"", offset=0, length=1),
+        wire.DataReply(req="r", ok=True),
+    ]
 
 
 def _int_paths(obj, path=()):
@@ -151,10 +190,10 @@ def _int_paths(obj, path=()):
         yield path
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _int_paths(v, path + (k,))
+            yield from _int_paths(v, (*path, k))
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
-            yield from _int_paths(v, path + (i,))
+            yield from _int_paths(v, (*path, i))
 
 
 def _with(tree, path, value):
@@ -178,7 +217,7 @@ def test_every_number_of_every_message_is_range_checked():
         for path in _int_paths(tree):
             region = path[-3:-1] == ("regions", 0)  # RegionDesc is [ptr, nbytes, device]
             low = -2 if region and path[-1] == 2 else -1  # device -1 is host memory
-            wide = path[-1] == "session" or region and path[-1] == 0  # may use all 64 bits
+            wide = path[-1] == "session" or (region and path[-1] == 0)  # may use all 64 bits
             for bad in (low,) if wide else (low, 2**63):
                 with pytest.raises(ProtocolError):
                     wire.decode(msgspec.msgpack.encode(_with(tree, path, bad)))
@@ -201,8 +240,13 @@ def test_fuzz_short_run():
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz_wire.py"), "--n", "20000", "--seed", "7"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "fuzz_wire.py"), "--n", "20000", "--seed", "7"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "inputs tried: 20000 " in proc.stdout and "untyped exceptions: 0" in proc.stdout
     for gen in ("random_bytes", "mutate", "numbers", "structure", "deep", "frame_length"):
@@ -282,8 +326,9 @@ def test_a_write_of_length_minus_one_ends_the_data_connection_cleanly(consumer, 
     assert isinstance(welcome, wire.Welcome)
     data = RawPeer(consumer.address)
     data.send(handshake.data_hello(welcome.session, "push", ctl.key))
-    data.send_frame(msgspec.msgpack.encode({"t": "write_data", "req": "r", "gen": 1, "ids": b"", "offset": 0,
-                                            "length": -1}))  # killed the receiver thread with ValueError
+    data.send_frame(
+        msgspec.msgpack.encode({"t": "write_data", "req": "r", "gen": 1, "ids": b"", "offset": 0, "length": -1})
+    )  # killed the receiver thread with ValueError
     assert data.closed_by_peer()
     deadline = time.monotonic() + 5  # the receiver closes the socket before its thread has ended
     while any(t.name.endswith("serve_writes") for t in threading.enumerate()) and time.monotonic() < deadline:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -66,7 +67,7 @@ class SocketReceiver:
             conn, _ = self.server.accept()
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            view = memoryview(self.buf)
+            view = self.buf.data
             with conn:
                 while True:
                     hdr = bytearray(_HDR.size)
@@ -78,7 +79,7 @@ class SocketReceiver:
                         raise ValueError(f"baseline message of {n} bytes exceeds {len(view)}")
                     _recv_exact_into(conn, view[:n])
                     conn.sendall(ACK)
-        except BaseException as e:  # noqa: BLE001 - reported to the driver through ``close``
+        except BaseException as e:  # reported to the driver through ``close``
             self.error = e
         finally:
             self.server.close()
@@ -95,22 +96,20 @@ class SocketSender:
         self.sock = socket.create_connection((host, port), timeout=60)
         self.sock.settimeout(None)  # plain blocking socket: no poll() before every send
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.view = memoryview(src).cast("B")
+        self.view = src.data.cast("B")
 
     def send(self, nbytes: int, offset: int = 0) -> float:
         """Seconds from the first byte sent to the receiver's acknowledgement of the last."""
         t0 = time.perf_counter()
         self.sock.sendall(_HDR.pack(nbytes))
-        self.sock.sendall(self.view[offset:offset + nbytes])
+        self.sock.sendall(self.view[offset : offset + nbytes])
         if self.sock.recv(1) != ACK:
             raise ConnectionError("baseline receiver went away")
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.sendall(_HDR.pack(0))
-        except OSError:
-            pass
         self.sock.close()
 
 
@@ -120,7 +119,7 @@ def nixl_importable() -> bool:
         from ..transports.nixl import nixl_api
 
         nixl_api()
-    except Exception:  # noqa: BLE001 - any failure to load means "not here"
+    except Exception:  # any failure to load means "not here"
         return False
     return True
 
@@ -153,13 +152,13 @@ class RawNixl:
         out[:, 2] = 0
         return out
 
-    def xfer(self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"",
-             timeout: float = 60.0) -> float:
+    def xfer(
+        self, op: str, local: np.ndarray, remote: np.ndarray, peer: str, notif: bytes = b"", timeout: float = 60.0
+    ) -> float:
         """Post one READ or WRITE of these descriptors and poll it to completion; returns seconds."""
         a = self.agent
         t0 = time.perf_counter()
-        handle = a.initialize_xfer(op, a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"),
-                                   peer, notif)
+        handle = a.initialize_xfer(op, a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), peer, notif)
         try:
             state = a.transfer(handle)
             while state == "PROC":
@@ -188,8 +187,6 @@ class RawNixl:
             time.sleep(NOTIF_POLL)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # best effort at teardown
             self.agent.deregister_memory(self.reg)
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
         self.agent = None

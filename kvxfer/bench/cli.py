@@ -11,6 +11,7 @@ Two machines: ``kvxfer-bench --role consumer --listen 0.0.0.0:7450`` on the deco
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import select
 import subprocess
@@ -39,6 +40,7 @@ def _csv(kind, choices=None, all_value=None):
         if not out:
             raise argparse.ArgumentTypeError("empty list")
         return out
+
     return parse
 
 
@@ -60,50 +62,89 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvxfer-bench",
         description="Move a model-shaped paged KV cache between two processes with kvxfer and compare it, in "
-                    "the same run, with the raw transport (plain socket for tcp, raw NIXL for nixl) and memcpy.",
+        "the same run, with the raw transport (plain socket for tcp, raw NIXL for nixl) and memcpy.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-               "  kvxfer-bench                                   # llama-3-8b, 4k tokens, tcp push\n"
-               "  kvxfer-bench --transport all --json out.json --plot out.png\n"
-               "  kvxfer-bench --model deepseek-v3 --mode push,pull --pattern all\n"
-               "  kvxfer-bench --latency --requests 400 --concurrency 16\n"
-               "  kvxfer-bench --role consumer --listen 0.0.0.0:7450     # on the decode host\n"
-               "  kvxfer-bench --role producer --connect decode-host:7450 # on the prefill host\n")
+        "  kvxfer-bench                                   # llama-3-8b, 4k tokens, tcp push\n"
+        "  kvxfer-bench --transport all --json out.json --plot out.png\n"
+        "  kvxfer-bench --model deepseek-v3 --mode push,pull --pattern all\n"
+        "  kvxfer-bench --latency --requests 400 --concurrency 16\n"
+        "  kvxfer-bench --role consumer --listen 0.0.0.0:7450     # on the decode host\n"
+        "  kvxfer-bench --role producer --connect decode-host:7450 # on the prefill host\n",
+    )
     g = p.add_argument_group("cache geometry")
-    g.add_argument("--model", default="llama-3-8b", choices=sorted(PRESETS) + ["custom"],
-                   help="preset cache shape (default: llama-3-8b); the flags below override its fields")
+    g.add_argument(
+        "--model",
+        default="llama-3-8b",
+        choices=[*sorted(PRESETS), "custom"],
+        help="preset cache shape (default: llama-3-8b); the flags below override its fields",
+    )
     g.add_argument("--layers", type=int, help="number of layers")
     g.add_argument("--kv-heads", type=int, help="KV heads (per tensor-parallel shard)")
     g.add_argument("--head-dim", type=int, help="head dimension (MLA: latent dimension)")
     g.add_argument("--dtype", choices=sorted(DTYPES), help="element type")
-    g.add_argument("--mla", action=argparse.BooleanOptionalAction, default=None,
-                   help="MLA cache: one latent vector per token instead of K and V")
-    g.add_argument("--block-size", type=_csv(int), metavar="N[,N...]",
-                   help=f"tokens per block, or a list to sweep (default: the preset's; with --plot: "
-                        f"{','.join(map(str, PLOT_BLOCK_SIZES))})")
+    g.add_argument(
+        "--mla",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="MLA cache: one latent vector per token instead of K and V",
+    )
+    g.add_argument(
+        "--block-size",
+        type=_csv(int),
+        metavar="N[,N...]",
+        help=f"tokens per block, or a list to sweep (default: the preset's; with --plot: "
+        f"{','.join(map(str, PLOT_BLOCK_SIZES))})",
+    )
     g.add_argument("--tokens", type=int, default=4096, help="tokens per request (default: 4096)")
 
     r = p.add_argument_group("what to run")
-    r.add_argument("--transport", type=_csv(str), default=["tcp"], metavar="NAME[,NAME...]",
-                   help="tcp, nixl, auto, or all (every transport kvxfer.transports.available() lists); "
-                        "default: tcp")
-    r.add_argument("--mode", type=_csv(str, ("push", "pull"), ("push", "pull")), default=["push"],
-                   metavar="push|pull|all", help="push: producer WRITEs; pull: consumer READs (default: push)")
-    r.add_argument("--pattern", type=_csv(str, PATTERNS, PATTERNS), default=["sequential"],
-                   metavar="|".join(PATTERNS) + "|all", help="block-id pattern on both sides (default: sequential)")
+    r.add_argument(
+        "--transport",
+        type=_csv(str),
+        default=["tcp"],
+        metavar="NAME[,NAME...]",
+        help="tcp, nixl, auto, or all (every transport kvxfer.transports.available() lists); default: tcp",
+    )
+    r.add_argument(
+        "--mode",
+        type=_csv(str, ("push", "pull"), ("push", "pull")),
+        default=["push"],
+        metavar="push|pull|all",
+        help="push: producer WRITEs; pull: consumer READs (default: push)",
+    )
+    r.add_argument(
+        "--pattern",
+        type=_csv(str, PATTERNS, PATTERNS),
+        default=["sequential"],
+        metavar="|".join(PATTERNS) + "|all",
+        help="block-id pattern on both sides (default: sequential)",
+    )
     r.add_argument("--repeats", type=int, default=5, help="timed transfers per row (default: 5)")
     r.add_argument("--warmup", type=int, default=1, help="untimed transfers first (default: 1)")
-    r.add_argument("--latency", action="store_true",
-                   help="latency mode: many small concurrent requests; p50/p99 from producer submit to "
-                        "consumer-visible arrival, and requests per second")
+    r.add_argument(
+        "--latency",
+        action="store_true",
+        help="latency mode: many small concurrent requests; p50/p99 from producer submit to "
+        "consumer-visible arrival, and requests per second",
+    )
     r.add_argument("--requests", type=int, default=200, help="latency mode: timed requests (default: 200)")
     r.add_argument("--concurrency", type=int, default=8, help="latency mode: requests in flight (default: 8)")
-    r.add_argument("--request-blocks", type=_range, default=(1, 16), metavar="LO-HI",
-                   help="latency mode: blocks per request, uniform (default: 1-16)")
+    r.add_argument(
+        "--request-blocks",
+        type=_range,
+        default=(1, 16),
+        metavar="LO-HI",
+        help="latency mode: blocks per request, uniform (default: 1-16)",
+    )
     r.add_argument("--tcp-streams", type=int, default=1, help="tcp transport: parallel data connections (default: 1)")
-    r.add_argument("--nixl-baseline", choices=["same", "per-block"], default="same",
-                   help="nixl rows: raw NIXL with kvxfer's coalesced descriptors (same), or one per layer-block "
-                        "(per-block: what coalescing saves)")
+    r.add_argument(
+        "--nixl-baseline",
+        choices=["same", "per-block"],
+        default="same",
+        help="nixl rows: raw NIXL with kvxfer's coalesced descriptors (same), or one per layer-block "
+        "(per-block: what coalescing saves)",
+    )
     r.add_argument("--deadline", type=float, default=60.0, help="seconds any one transfer may take (default: 60)")
     r.add_argument("--seed", type=int, default=0, help="seed of the cache contents and block ids")
 
@@ -113,15 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--quiet", action="store_true", help="no progress display on stderr")
 
     n = p.add_argument_group("placement")
-    n.add_argument("--role", choices=("both", "producer", "consumer"), default="both",
-                   help="both (default): producer here, consumer in a child process on loopback; producer: "
-                        "drive a consumer started elsewhere (--connect); consumer: serve one producer (--listen)")
+    n.add_argument(
+        "--role",
+        choices=("both", "producer", "consumer"),
+        default="both",
+        help="both (default): producer here, consumer in a child process on loopback; producer: "
+        "drive a consumer started elsewhere (--connect); consumer: serve one producer (--listen)",
+    )
     n.add_argument("--connect", metavar="HOST:PORT", help="producer role: the consumer half's address")
-    n.add_argument("--listen", metavar="HOST:PORT",
-                   help=f"consumer role: where to listen (default: {DEFAULT_CONSUMER_LISTEN}); "
-                        f"both: the loopback address of the child (default: 127.0.0.1:0)")
-    n.add_argument("--serve-forever", action="store_true",
-                   help="consumer role: serve one producer run after another instead of exiting after one")
+    n.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help=f"consumer role: where to listen (default: {DEFAULT_CONSUMER_LISTEN}); "
+        f"both: the loopback address of the child (default: 127.0.0.1:0)",
+    )
+    n.add_argument(
+        "--serve-forever",
+        action="store_true",
+        help="consumer role: serve one producer run after another instead of exiting after one",
+    )
     p.add_argument("--inject-corruption", action="store_true", help=argparse.SUPPRESS)  # tests: flip a byte
     return p
 
@@ -130,8 +181,17 @@ def geometry_from(args):
     from .models import PRESETS, Geometry
 
     base = PRESETS.get(args.model) or Geometry("custom", layers=32, kv_heads=8, head_dim=128)
-    changes = {k: v for k, v in (("layers", args.layers), ("kv_heads", args.kv_heads), ("head_dim", args.head_dim),
-                                 ("dtype", args.dtype), ("mla", args.mla)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("layers", args.layers),
+            ("kv_heads", args.kv_heads),
+            ("head_dim", args.head_dim),
+            ("dtype", args.dtype),
+            ("mla", args.mla),
+        )
+        if v is not None
+    }
     if changes.get("mla") and "kv_heads" not in changes:
         changes["kv_heads"] = 1
     if changes and args.model != "custom":
@@ -149,7 +209,7 @@ def resolve_transports(names: list[str]) -> list[str]:
 
     out = []
     for n in names:
-        for m in (transports.available() if n == "all" else [transports.resolve(n)]):
+        for m in transports.available() if n == "all" else [transports.resolve(n)]:
             if m not in out:
                 out.append(m)
     for m in out:
@@ -164,10 +224,12 @@ def _spawn_consumer(listen: str, corrupt: bool) -> tuple[subprocess.Popen, str]:
     if corrupt:
         cmd.append("--inject-corruption")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    out = proc.stdout
+    assert out is not None  # stdout=PIPE
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.1)[0]:
-            line = proc.stdout.readline()
+        if select.select([out], [], [], 0.1)[0]:
+            line = out.readline()
             if line.startswith("kvxfer-bench consumer listening on "):
                 return proc, line.rsplit(" ", 1)[1].strip()
             if not line:
@@ -198,8 +260,12 @@ def _main(argv) -> int:
         from .consumer import listen_and_serve
 
         try:
-            listen_and_serve(args.listen or DEFAULT_CONSUMER_LISTEN, corrupt=args.inject_corruption,
-                             forever=args.serve_forever, announce=lambda s: print(s, flush=True))
+            listen_and_serve(
+                args.listen or DEFAULT_CONSUMER_LISTEN,
+                corrupt=args.inject_corruption,
+                forever=args.serve_forever,
+                announce=lambda s: print(s, flush=True),
+            )
         except KeyboardInterrupt:
             return EXIT_FAILED
         return EXIT_OK
@@ -210,7 +276,7 @@ def _main(argv) -> int:
     try:
         geom = geometry_from(args)
         transports_ = resolve_transports(args.transport)
-    except Exception as e:  # noqa: BLE001 - bad geometry or transport: a usage error
+    except Exception as e:  # bad geometry or transport: a usage error
         parser.exit(EXIT_USAGE, f"kvxfer-bench: error: {e}\n")
     if args.role == "producer" and not args.connect:
         parser.error("--role producer needs --connect HOST:PORT")
@@ -222,19 +288,34 @@ def _main(argv) -> int:
     if args.plot and (why := report.plot_available()):
         parser.exit(EXIT_USAGE, f"kvxfer-bench: error: {why}\n")
     block_sizes = args.block_size or (PLOT_BLOCK_SIZES if args.plot else [geom.block_size])
-    settings = Settings(geometry=geom, block_sizes=block_sizes, tokens=args.tokens, transports=transports_,
-                        modes=args.mode, patterns=args.pattern, repeats=args.repeats, warmup=args.warmup,
-                        latency=args.latency, requests=args.requests, concurrency=args.concurrency,
-                        request_blocks=args.request_blocks, tcp_streams=args.tcp_streams,
-                        nixl_baseline=args.nixl_baseline,
-                        deadline=args.deadline, seed=args.seed)
+    settings = Settings(
+        geometry=geom,
+        block_sizes=block_sizes,
+        tokens=args.tokens,
+        transports=transports_,
+        modes=args.mode,
+        patterns=args.pattern,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        latency=args.latency,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        request_blocks=args.request_blocks,
+        tcp_streams=args.tcp_streams,
+        nixl_baseline=args.nixl_baseline,
+        deadline=args.deadline,
+        seed=args.seed,
+    )
     producer_bytes, consumer_bytes = memory_needed(settings)
     need = producer_bytes + (consumer_bytes if args.role == "both" else 0)
     have = memory_available()
     if have is not None and need > 0.85 * have:
-        parser.exit(EXIT_USAGE, f"kvxfer-bench: error: this run needs about {need / 2**30:.1f} GiB of memory here "
-                                f"and {have / 2**30:.1f} GiB are available; use fewer --tokens, or put the "
-                                f"consumer half on another machine (--role)\n")
+        parser.exit(
+            EXIT_USAGE,
+            f"kvxfer-bench: error: this run needs about {need / 2**30:.1f} GiB of memory here "
+            f"and {have / 2**30:.1f} GiB are available; use fewer --tokens, or put the "
+            f"consumer half on another machine (--role)\n",
+        )
     return run(settings, args, geom_text=geom.describe())
 
 
@@ -266,10 +347,8 @@ def run(settings, args, geom_text: str) -> int:
     finally:
         progress.close()
         if ctl is not None:
-            try:
+            with contextlib.suppress(Exception):  # the other half may be gone already
                 ctl.call("quit", timeout=10)
-            except Exception:  # noqa: BLE001 - the other half may be gone already
-                pass
             ctl.close()
         if proc is not None:
             try:
@@ -289,6 +368,7 @@ def run(settings, args, geom_text: str) -> int:
     if error is not None:
         print(f"kvxfer-bench: error: {error}", file=sys.stderr)
         return EXIT_FAILED
+    assert driver is not None  # no error: the driver ran
     if driver.failed:
         print("kvxfer-bench: FAILED: a transfer failed or delivered wrong bytes (see the table)", file=sys.stderr)
         return EXIT_FAILED

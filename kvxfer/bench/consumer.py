@@ -7,17 +7,21 @@ NIXL baseline, and the byte-exact verification of every arrival against the seed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
 import traceback
+from typing import TypeVar
 
 import msgspec
 import numpy as np
 
 from .. import transports
 from ..consumer import Consumer
+from ..layout import KVLayout
+from ..transfer import Arrival
 from ..wire import ids_from_bytes
 from . import baselines, content, models
 from .control import Control
@@ -25,7 +29,7 @@ from .patterns import PatternAllocator
 
 
 def usable(name: str) -> str:
-    """"" when transport ``name`` can run in this process, else why not."""
+    """ "" when transport ``name`` can run in this process, else why not."""
     try:
         cls = transports.get(name)
         probe = getattr(cls, "usable", None)
@@ -34,9 +38,19 @@ def usable(name: str) -> str:
             if name == "nixl" and not baselines.nixl_importable():
                 hint = ": no NIXL Python package (pip install 'kvxfer[nixl]')"
             return f"transport {name!r} cannot run here{hint}"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return str(e)
     return ""
+
+
+T = TypeVar("T")
+
+
+def _made(value: T | None, what: str) -> T:
+    """``value`` once the op that makes it has run; an op sent out of order gets a clear error back."""
+    if value is None:
+        raise RuntimeError(f"no {what} yet: the driver sends the op that makes it first")
+    return value
 
 
 def boot_id() -> str:
@@ -55,7 +69,7 @@ class ConsumerHalf:
         self.corrupt = corrupt
         self.geom: models.Geometry | None = None
         self.arrays: list[np.ndarray] = []
-        self.layout = None
+        self.layout: KVLayout | None = None
         self.content: content.Content | None = None
         self.alloc: PatternAllocator | None = None
         self.consumer: Consumer | None = None
@@ -68,7 +82,7 @@ class ConsumerHalf:
         while True:
             try:
                 msg = self.ctl.recv(None)
-            except Exception:  # noqa: BLE001 - the driver went away: nothing left to serve
+            except Exception:  # the driver went away: nothing left to serve
                 break
             op = msg.pop("op", "")
             if op == "quit":
@@ -79,28 +93,30 @@ class ConsumerHalf:
                 if handler is None:
                     raise ValueError(f"unknown op {op!r}")
                 reply = handler(**msg) or {}
-            except Exception as e:  # noqa: BLE001 - every failure goes back to the driver
+            except Exception as e:  # every failure goes back to the driver
                 reply = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
             try:
                 self.ctl.send(reply)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 break
         self.shutdown()
 
     def shutdown(self) -> None:
         for close in (self.op_close, self.op_socket_close, self.op_nixl_close):
-            try:
+            with contextlib.suppress(Exception):
                 close()
-            except Exception:  # noqa: BLE001
-                pass
         self.ctl.close()
 
     # ---- ops -----------------------------------------------------------------------------------------------
     def op_hello(self, transports: list) -> dict:
         """Who we are, and which of the driver's ``transports`` can run here (nixl is imported only if asked)."""
-        return {"pid": os.getpid(), "boot_id": boot_id(), "python": sys.version.split()[0],
-                "missing": {n: why for n in transports if (why := usable(n))},
-                "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False}
+        return {
+            "pid": os.getpid(),
+            "boot_id": boot_id(),
+            "python": sys.version.split()[0],
+            "missing": {n: why for n in transports if (why := usable(n))},
+            "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False,
+        }
 
     def op_setup(self, geometry: dict, src_blocks: int, dst_blocks: int, seed: int) -> dict:
         self.op_close()
@@ -117,8 +133,15 @@ class ConsumerHalf:
     def op_open(self, transport: str, options: dict, deadline: float) -> dict:
         self.op_close()
         listen = f"{self.host}:0" if ":" not in self.host else f"[{self.host}]:0"
-        self.consumer = Consumer(self.layout, transport=transport, listen=listen, allocator=self.alloc,
-                                 transport_options=options, deadline=deadline, max_inflight=4096)
+        self.consumer = Consumer(
+            _made(self.layout, "layout (setup)"),
+            transport=transport,
+            listen=listen,
+            allocator=self.alloc,
+            transport_options=options,
+            deadline=deadline,
+            max_inflight=4096,
+        )
         self.arrived = {}
         return {"address": self.consumer.address, "transport": self.consumer.transport_name}
 
@@ -129,20 +152,22 @@ class ConsumerHalf:
         return {}
 
     def op_pattern(self, pattern: str) -> dict:
-        self.alloc.set_pattern(pattern)
+        _made(self.alloc, "allocator (setup)").set_pattern(pattern)
         return {}
 
     def op_collect(self, items: list, wait: float) -> dict:
         """Wait for the arrivals of ``items`` ([req, source ids]), verify every byte, poison, release."""
         deadline = time.monotonic() + wait
+        consumer = _made(self.consumer, "consumer (open)")
+        expected = _made(self.content, "content (setup)")
         want = {req: src for req, src in items}
-        got = {}
+        got: dict[str, Arrival] = {}
         while len(got) < len(want):
             for req in [r for r in want if r in self.arrived and r not in got]:
                 got[req] = self.arrived.pop(req)
             if len(got) == len(want):
                 break
-            arrival = self.consumer.get(timeout=max(0.001, deadline - time.monotonic()))
+            arrival = consumer.get(timeout=max(0.001, deadline - time.monotonic()))
             self.arrived[arrival.req] = arrival
         rep = content.Report()
         out = {}
@@ -151,18 +176,26 @@ class ConsumerHalf:
             if self.corrupt:
                 self.corrupt = False
                 content._rows(self.arrays[-1])[arrival.block_ids[-1], -1] ^= 0x5A
-            rep.merge(self.content.verify(self.arrays, arrival.block_ids, src))
+            rep.merge(expected.verify(self.arrays, arrival.block_ids, src))
             content.poison(self.arrays, arrival.block_ids)
-            self.consumer.release(req)
-            out[req] = {"t": arrival.timings.get("completed", 0.0),
-                        "dst": arrival.block_ids.astype("<u4").tobytes(), "nbytes": arrival.nbytes}
-        return {"ok": rep.ok, "checked": rep.checked_bytes, "bad": rep.bad_blocks, "detail": rep.describe(),
-                "arrivals": out}
+            consumer.release(req)
+            out[req] = {
+                "t": arrival.timings.get("completed", 0.0),
+                "dst": arrival.block_ids.astype("<u4").tobytes(),
+                "nbytes": arrival.nbytes,
+            }
+        return {
+            "ok": rep.ok,
+            "checked": rep.checked_bytes,
+            "bad": rep.bad_blocks,
+            "detail": rep.describe(),
+            "arrivals": out,
+        }
 
     def op_verify(self, dst: bytes, src: bytes) -> dict:
         """Check bytes a baseline wrote into the destination cache, then poison them again."""
         d, s = ids_from_bytes(dst), ids_from_bytes(src)
-        rep = self.content.verify(self.arrays, d, s)
+        rep = _made(self.content, "content (setup)").verify(self.arrays, d, s)
         content.poison(self.arrays, d)
         return {"ok": rep.ok, "checked": rep.checked_bytes, "bad": rep.bad_blocks, "detail": rep.describe()}
 
@@ -186,21 +219,21 @@ class ConsumerHalf:
     # ---- raw NIXL baseline -----------------------------------------------------------------------------
     def op_nixl_open(self) -> dict:
         self.op_nixl_close()
-        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}",
-                                      self.layout.regions)
+        regions = _made(self.layout, "layout (setup)").regions
+        self.nixl = baselines.RawNixl(f"kvxfer-bench-consumer-{os.getpid()}-{time.monotonic_ns()}", regions)
         return {"meta": self.nixl.metadata()}
 
     def op_nixl_peer(self, meta: bytes) -> dict:
-        return {"name": self.nixl.add_peer(meta)}
+        return {"name": _made(self.nixl, "raw NIXL agent (nixl_open)").add_peer(meta)}
 
     def op_nixl_wait(self, tag: bytes, wait: float = 60.0) -> dict:
-        self.nixl.wait_notif(tag, wait)
+        _made(self.nixl, "raw NIXL agent (nixl_open)").wait_notif(tag, wait)
         return {}
 
     def op_nixl_read(self, local: bytes, remote: bytes, peer: str) -> dict:
         loc = np.frombuffer(local, dtype=np.uint64).reshape(-1, 3)
         rem = np.frombuffer(remote, dtype=np.uint64).reshape(-1, 3)
-        return {"seconds": self.nixl.xfer("READ", loc, rem, peer)}
+        return {"seconds": _made(self.nixl, "raw NIXL agent (nixl_open)").xfer("READ", loc, rem, peer)}
 
     def op_nixl_close(self) -> dict:
         if self.nixl is not None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-POOL_WORDS = 1 << 21          # 16 MiB of random words; distinct offsets for up to 2M layer-blocks
-POISON = 0xA5                 # what destination blocks hold before a transfer writes them
-CHUNK_BYTES = 32 << 20        # verification works through this many bytes at a time
+POOL_WORDS = 1 << 21  # 16 MiB of random words; distinct offsets for up to 2M layer-blocks
+POISON = 0xA5  # what destination blocks hold before a transfer writes them
+CHUNK_BYTES = 32 << 20  # verification works through this many bytes at a time
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Report:
     def ok(self) -> bool:
         return self.bad_blocks == 0
 
-    def merge(self, other: "Report") -> None:
+    def merge(self, other: Report) -> None:
         self.checked_bytes += other.checked_bytes
         self.bad_blocks += other.bad_blocks
         self.examples.extend(other.examples[: max(0, 5 - len(self.examples))])
@@ -47,8 +47,10 @@ class Report:
     def describe(self) -> str:
         if self.ok:
             return f"{self.checked_bytes} bytes verified"
-        ex = "; ".join(f"layer {m.layer} src block {m.src} -> dst block {m.dst} differs from byte {m.first_byte}"
-                       for m in self.examples)
+        ex = "; ".join(
+            f"layer {m.layer} src block {m.src} -> dst block {m.dst} differs from byte {m.first_byte}"
+            for m in self.examples
+        )
         return f"{self.bad_blocks} layer-blocks wrong out of {self.checked_bytes} bytes checked ({ex})"
 
 
@@ -62,10 +64,9 @@ class Content:
         rng = np.random.default_rng([seed, layers, num_blocks, layer_block_bytes])
         pad = -(-layer_block_bytes // 8) * 8
         self.pool = np.frombuffer(rng.bytes(POOL_WORDS * 8 + pad), dtype=np.uint8)
-        self._mult = int(rng.integers(1, POOL_WORDS // 2)) * 2 + 1   # odd: a bijection modulo 2**21
+        self._mult = int(rng.integers(1, POOL_WORDS // 2)) * 2 + 1  # odd: a bijection modulo 2**21
         self._add = int(rng.integers(0, POOL_WORDS))
-        self._windows = as_strided(self.pool, shape=(POOL_WORDS, layer_block_bytes), strides=(8, 1),
-                                   writeable=False)
+        self._windows = as_strided(self.pool, shape=(POOL_WORDS, layer_block_bytes), strides=(8, 1), writeable=False)
 
     def offsets(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """Word index into the pool where layer ``layer`` of each block in ``ids`` starts."""
@@ -104,8 +105,9 @@ class Content:
                 rows = np.flatnonzero(diff.any(axis=1))
                 rep.bad_blocks += len(rows)
                 for r in rows[: max(0, 5 - len(rep.examples))].tolist():
-                    rep.examples.append(Mismatch(layer, int(src_ids[lo + r]), int(dst_ids[lo + r]),
-                                                 int(np.argmax(diff[r]))))
+                    rep.examples.append(
+                        Mismatch(layer, int(src_ids[lo + r]), int(dst_ids[lo + r]), int(np.argmax(diff[r])))
+                    )
         return rep
 
 

@@ -6,6 +6,7 @@ Length-prefixed msgpack dicts over one TCP connection: the producer half (the dr
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -29,7 +30,7 @@ class Control:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @classmethod
-    def connect(cls, address: str, timeout: float = 30.0) -> "Control":
+    def connect(cls, address: str, timeout: float = 30.0) -> Control:
         host, _, port = address.rpartition(":")
         deadline = time.monotonic() + timeout
         while True:
@@ -54,7 +55,7 @@ class Control:
             if n > MAX:
                 raise ControlError(f"control frame of {n} bytes")
             return _dec.decode(self._exact(n))
-        except socket.timeout:
+        except TimeoutError:
             raise ControlError(f"no answer from the other half within {timeout}s") from None
         except OSError as e:
             raise ControlError(f"control connection lost: {e}") from None
@@ -81,7 +82,5 @@ class Control:
         return reply
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass

@@ -7,6 +7,7 @@ half checks every byte that arrived (and poisons the blocks again), so a fast wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -18,9 +19,9 @@ import numpy as np
 
 from .. import wire
 from ..errors import KVXferError
-from ..producer import Producer
 from ..layout import KVLayout
 from ..plan import make_plan, pair
+from ..producer import Producer
 from . import baselines, content, models
 from .consumer import boot_id
 from .control import Control, ControlError
@@ -58,8 +59,9 @@ def _ids(a) -> bytes:
     return np.asarray(a).astype("<u4").tobytes()
 
 
-def _pct(xs, q) -> float | None:
-    return float(np.percentile(xs, q)) if len(xs) else None
+def _pct_ms(xs, q) -> float:
+    """Percentile ``q`` of the seconds ``xs`` (never empty: every row times at least one transfer), in ms."""
+    return float(np.percentile(xs, q)) * 1e3
 
 
 def _median(xs) -> float | None:
@@ -71,7 +73,7 @@ class _SocketRef:
 
     name = "socket"
 
-    def __init__(self, drv: "Driver", capacity: int, src: np.ndarray):
+    def __init__(self, drv: Driver, capacity: int, src: np.ndarray):
         port = drv.ctl.call("socket_open", capacity=capacity)["port"]
         self.drv = drv
         self.sender = baselines.SocketSender(drv.host, port, src)
@@ -92,7 +94,7 @@ class _NixlRef:
 
     name = "nixl-raw"
 
-    def __init__(self, drv: "Driver", per_block: bool = False):
+    def __init__(self, drv: Driver, per_block: bool = False):
         self.drv = drv
         self.agent = baselines.RawNixl(f"kvxfer-bench-producer-{time.monotonic_ns()}", drv.layout.regions)
         meta = drv.ctl.call("nixl_open")["meta"]
@@ -105,8 +107,9 @@ class _NixlRef:
 
     def once(self, mode: str, src_ids, dst_ids) -> float:
         drv = self.drv
-        plan = make_plan(drv.pairing, src_ids, dst_ids, drv.layout.num_blocks, drv.remote.num_blocks,
-                         coalesce=self.coalesce)
+        plan = make_plan(
+            drv.pairing, src_ids, dst_ids, drv.layout.num_blocks, drv.remote.num_blocks, coalesce=self.coalesce
+        )
         local = self.agent.descs(drv.layout.regions, plan.src)
         remote = self.agent.descs(drv.remote.regions, plan.dst)
         self.count += 1
@@ -140,6 +143,9 @@ class _NixlRef:
 
 
 class Driver:
+    geom: models.Geometry  # the geometry being run, and its source cache: set by ``run_geometry``
+    layout: KVLayout
+
     def __init__(self, settings: Settings, ctl: Control, host: str, progress: Progress | None = None):
         self.s = settings
         self.ctl = ctl
@@ -148,10 +154,10 @@ class Driver:
         self.rows: list[dict] = []
         self.hello = ctl.call("hello", timeout=60, transports=settings.transports)
         if self.hello["missing"]:
-            raise ControlError("the consumer half cannot run " + "; ".join(
-                f"{n}: {why}" for n, why in self.hello["missing"].items()))
+            raise ControlError(
+                "the consumer half cannot run " + "; ".join(f"{n}: {why}" for n, why in self.hello["missing"].items())
+            )
         self.same_clock = self.hello.get("boot_id") == boot_id()
-        self.geom: models.Geometry | None = None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def steps(self) -> int:
@@ -186,8 +192,7 @@ class Driver:
         self.blocks, self.nb = blocks, nb
         self.progress.note(f"{geom.name} block {geom.block_size}: filling {nb} blocks x {geom.block_bytes} B")
         # the consumer half builds and poisons its cache while this half fills the source cache
-        self.ctl.send({"op": "setup", "geometry": geom.to_dict(), "src_blocks": nb, "dst_blocks": nb,
-                       "seed": s.seed})
+        self.ctl.send({"op": "setup", "geometry": geom.to_dict(), "src_blocks": nb, "dst_blocks": nb, "seed": s.seed})
         arrays = models.allocate(geom, nb)
         try:
             content.Content(s.seed, geom.layers, nb, geom.layer_block_bytes).fill(arrays)
@@ -205,17 +210,16 @@ class Driver:
             for name in s.transports:
                 self.run_transport(name, contiguous, cap)
         finally:
-            self.layout = None
-            del arrays
+            del self.layout, arrays  # the source cache goes before the next geometry allocates its own
 
     def run_transport(self, name: str, contiguous: np.ndarray, cap: int) -> None:
         s = self.s
         opts = {"streams": s.tcp_streams} if name == "tcp" else {}
         opened = self.ctl.call("open", transport=name, options=opts, deadline=s.deadline)
         address = self._address(opened["address"])
-        producer = Producer(self.layout, transport=name, deadline=s.deadline, lease=s.deadline,
-                            transport_options=opts)
-        ref, ref_error = None, ""
+        producer = Producer(self.layout, transport=name, deadline=s.deadline, lease=s.deadline, transport_options=opts)
+        ref: _SocketRef | _NixlRef | None = None
+        ref_error = ""
         try:
             try:
                 if name == "tcp":
@@ -224,7 +228,7 @@ class Driver:
                     if not (self.hello.get("nixl_raw") and baselines.nixl_importable()):
                         raise RuntimeError("nixl bindings are not importable on both halves")
                     ref = _NixlRef(self, per_block=s.nixl_baseline == "per-block")
-            except Exception as e:  # noqa: BLE001 - a missing baseline leaves the ratio empty, not the row
+            except Exception as e:  # a missing baseline leaves the ratio empty, not the row
                 ref_error = f"{type(e).__name__}: {e}"
             for mode in s.modes:
                 for pattern in s.patterns:
@@ -240,27 +244,44 @@ class Driver:
         finally:
             producer.close()
             if ref is not None:
-                try:
+                with contextlib.suppress(Exception):
                     ref.close()
-                except Exception:  # noqa: BLE001
-                    pass
             self.ctl.call("close")
 
     def _row(self, transport: str, mode: str, pattern: str, ref, ref_error: str) -> dict:
         g = self.geom
         return {
             "kind": "latency" if self.s.latency else "throughput",
-            "model": g.name, "transport": transport, "mode": mode, "pattern": pattern,
-            "layers": g.layers, "block_size": g.block_size, "block_bytes": g.layer_block_bytes,
-            "bytes_per_block": g.block_bytes, "tokens": self.s.tokens, "blocks": self.blocks,
-            "total_bytes": self.blocks * g.block_bytes, "descriptors": None,
-            "gbps": None, "gbps_max": None, "p50_ms": None, "p99_ms": None,
-            "baseline": ref.name if ref is not None else None, "baseline_gbps": None, "ratio": None,
-            "ratio_paired": None, "ratio_best": None,
-            "baseline_p50_ms": None, "baseline_p99_ms": None,
-            "memcpy_gbps": self.memcpy, "memcpy_ratio": None,
-            "repeats": self.s.repeats, "warmup": self.s.warmup,
-            "verified": False, "verified_bytes": 0, "error": None,
+            "model": g.name,
+            "transport": transport,
+            "mode": mode,
+            "pattern": pattern,
+            "layers": g.layers,
+            "block_size": g.block_size,
+            "block_bytes": g.layer_block_bytes,
+            "bytes_per_block": g.block_bytes,
+            "tokens": self.s.tokens,
+            "blocks": self.blocks,
+            "total_bytes": self.blocks * g.block_bytes,
+            "descriptors": None,
+            "gbps": None,
+            "gbps_max": None,
+            "p50_ms": None,
+            "p99_ms": None,
+            "baseline": ref.name if ref is not None else None,
+            "baseline_gbps": None,
+            "ratio": None,
+            "ratio_paired": None,
+            "ratio_best": None,
+            "baseline_p50_ms": None,
+            "baseline_p99_ms": None,
+            "memcpy_gbps": self.memcpy,
+            "memcpy_ratio": None,
+            "repeats": self.s.repeats,
+            "warmup": self.s.warmup,
+            "verified": False,
+            "verified_bytes": 0,
+            "error": None,
             "baseline_error": ref_error or None,
         }
 
@@ -310,8 +331,10 @@ class Driver:
         label = f"{row['transport']} {mode} {pattern} block {g.block_size}"
         for i in range(s.warmup + s.repeats):
             timed = i >= s.warmup
-            self.progress.note(f"{label}: {'repeat' if timed else 'warm-up'} "
-                               f"{i - s.warmup + 1 if timed else i + 1}/{s.repeats if timed else s.warmup}")
+            self.progress.note(
+                f"{label}: {'repeat' if timed else 'warm-up'} "
+                f"{i - s.warmup + 1 if timed else i + 1}/{s.repeats if timed else s.warmup}"
+            )
             src = pick(pattern, candidates, self.blocks, rng)
             ref_dst = pick(pattern, candidates, self.blocks, rng)
             steps = ["kvxfer", "ref"] if i % 2 == 0 else ["ref", "kvxfer"]
@@ -336,18 +359,29 @@ class Driver:
                     descs.append(self._descriptors(t, src, dst))
             self.progress.step()
         rates = [nbytes / t / 1e9 for t in times]
-        row.update(descriptors=int(np.median(descs)), gbps=_median(rates), gbps_max=max(rates),
-                   p50_ms=_pct(times, 50) * 1e3, p99_ms=_pct(times, 99) * 1e3, verified=True,
-                   samples_gbps=[round(r, 4) for r in rates])
+        row.update(
+            descriptors=int(np.median(descs)),
+            gbps=_median(rates),
+            gbps_max=max(rates),
+            p50_ms=_pct_ms(times, 50),
+            p99_ms=_pct_ms(times, 99),
+            verified=True,
+            samples_gbps=[round(r, 4) for r in rates],
+        )
         if ref_times:
             ref_rates = [nbytes / t / 1e9 for t in ref_times]
             # each kvxfer transfer ran right next to one baseline transfer: their ratio cancels slow drift
             # and bursts of load from other tenants that hit both
             paired = [pending_ref[i] / kvx_by_repeat[i] for i in kvx_by_repeat if i in pending_ref]
-            row.update(baseline_gbps=_median(ref_rates), baseline_gbps_max=max(ref_rates),
-                       baseline_p50_ms=_pct(ref_times, 50) * 1e3, baseline_p99_ms=_pct(ref_times, 99) * 1e3,
-                       baseline_samples_gbps=[round(r, 4) for r in ref_rates],
-                       ratio_paired=_median(paired), ratio_best=max(rates) / max(ref_rates))
+            row.update(
+                baseline_gbps=_median(ref_rates),
+                baseline_gbps_max=max(ref_rates),
+                baseline_p50_ms=_pct_ms(ref_times, 50),
+                baseline_p99_ms=_pct_ms(ref_times, 99),
+                baseline_samples_gbps=[round(r, 4) for r in ref_rates],
+                ratio_paired=_median(paired),
+                ratio_best=max(rates) / max(ref_rates),
+            )
 
     # ---- latency ---------------------------------------------------------------------------------------------
     def latency(self, producer, address, mode, pattern, ref, row) -> None:
@@ -357,16 +391,19 @@ class Driver:
         rng = np.random.default_rng([s.seed, len(self.rows), 1])
         lo, hi = s.request_blocks
         sizes = rng.integers(lo, hi + 1, size=s.requests + s.warmup * s.concurrency)
-        reqs = [(f"{row['transport']}-{mode}-{pattern}-{g.block_size}-r{i}", pick_at(pattern, self.nb, int(n), rng))
-                for i, n in enumerate(sizes)]
-        warm, timed = reqs[: s.warmup * s.concurrency], reqs[s.warmup * s.concurrency:]
+        reqs = [
+            (f"{row['transport']}-{mode}-{pattern}-{g.block_size}-r{i}", pick_at(pattern, self.nb, int(n), rng))
+            for i, n in enumerate(sizes)
+        ]
+        warm, timed = reqs[: s.warmup * s.concurrency], reqs[s.warmup * s.concurrency :]
         capacity = self.nb // spread(pattern)
         lat, walls, nbytes, descs = [], [], 0, []
         ref_lat, ref_bytes = [], 0
         candidates = np.arange(self.nb, dtype=np.int64)
         done = 0
-        for is_warm, wave in [(True, w) for w in _waves(warm, capacity)] + \
-                             [(False, w) for w in _waves(timed, capacity)]:
+        for is_warm, wave in [(True, w) for w in _waves(warm, capacity)] + [
+            (False, w) for w in _waves(timed, capacity)
+        ]:
             self.progress.note(f"{row['transport']} {mode} {pattern} latency: {done}/{len(timed)} requests")
             records, wall = self._wave(producer, address, mode, wave)
             arrivals = self._collect([[req, _ids(src)] for req, src in wave], row)
@@ -374,7 +411,7 @@ class Driver:
             if is_warm:
                 continue
             walls.append(wall)
-            for (req, src), (t0, t1, t) in zip(wave, records):
+            for (req, src), (t0, t1, t) in zip(wave, records, strict=True):
                 visible = arrivals[req]["t"] if self.same_clock else t1
                 lat.append(visible - t0)
                 nbytes += len(src) * g.block_bytes
@@ -388,25 +425,36 @@ class Driver:
                         ref_lat.append(dt)
                         ref_bytes += len(src) * g.block_bytes
         total = sum(walls)
-        row.update(kind="latency", requests=len(timed), concurrency=s.concurrency,
-                   request_blocks=f"{lo}-{hi}", total_bytes=nbytes,
-                   descriptors=int(np.median(descs)),
-                   gbps=nbytes / total / 1e9, req_s=len(timed) / total,
-                   p50_ms=_pct(lat, 50) * 1e3, p99_ms=_pct(lat, 99) * 1e3,
-                   latency_clock="consumer arrival" if self.same_clock else "producer completion",
-                   verified=True)
+        row.update(
+            kind="latency",
+            requests=len(timed),
+            concurrency=s.concurrency,
+            request_blocks=f"{lo}-{hi}",
+            total_bytes=nbytes,
+            descriptors=int(np.median(descs)),
+            gbps=nbytes / total / 1e9,
+            req_s=len(timed) / total,
+            p50_ms=_pct_ms(lat, 50),
+            p99_ms=_pct_ms(lat, 99),
+            latency_clock="consumer arrival" if self.same_clock else "producer completion",
+            verified=True,
+        )
         if ref_lat:
-            row.update(baseline_gbps=ref_bytes / sum(ref_lat) / 1e9, baseline_req_s=len(ref_lat) / sum(ref_lat),
-                       baseline_p50_ms=_pct(ref_lat, 50) * 1e3, baseline_p99_ms=_pct(ref_lat, 99) * 1e3)
+            row.update(
+                baseline_gbps=ref_bytes / sum(ref_lat) / 1e9,
+                baseline_req_s=len(ref_lat) / sum(ref_lat),
+                baseline_p50_ms=_pct_ms(ref_lat, 50),
+                baseline_p99_ms=_pct_ms(ref_lat, 99),
+            )
 
-    def _wave(self, producer, address, mode, wave):
+    def _wave(self, producer: Producer, address: str, mode: str, wave: list) -> tuple[list, float]:
         """Submit ``wave`` with ``concurrency`` requests in flight; per request (submit, completion, transfer)."""
         queue = deque(enumerate(wave))
         records: list = [None] * len(wave)
         errors: list[BaseException] = []
         lock = threading.Lock()
 
-        def worker():
+        def worker() -> None:
             while not errors:
                 with lock:
                     if not queue:
@@ -416,7 +464,7 @@ class Driver:
                 try:
                     t = self._transfer(producer, address, mode, req, src)
                     t.wait()
-                except BaseException as e:  # noqa: BLE001 - re-raised in the driver thread
+                except BaseException as e:  # re-raised in the driver thread
                     errors.append(e)
                     return
                 records[k] = (t0, time.monotonic(), t)
@@ -433,7 +481,9 @@ class Driver:
 
 def _waves(reqs: list, capacity: int) -> list[list]:
     """Consecutive groups of requests whose blocks fit ``capacity`` destination blocks at once."""
-    waves, cur, used = [], [], 0
+    waves: list[list] = []
+    cur: list = []
+    used = 0
     for req in reqs:
         n = len(req[1])
         if cur and used + n > capacity:

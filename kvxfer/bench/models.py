@@ -31,9 +31,9 @@ class Geometry:
     name: str
     layers: int
     kv_heads: int
-    head_dim: int          # MLA: the latent dimension (kv_lora_rank + rope dim)
+    head_dim: int  # MLA: the latent dimension (kv_lora_rank + rope dim)
     dtype: str = "bf16"
-    block_size: int = 16   # tokens per block
+    block_size: int = 16  # tokens per block
     mla: bool = False
 
     def __post_init__(self):
@@ -74,13 +74,15 @@ class Geometry:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Geometry":
+    def from_dict(cls, d: dict) -> Geometry:
         return cls(**d)
 
     def describe(self) -> str:
         kind = f"MLA latent {self.head_dim}" if self.mla else f"{self.kv_heads} kv heads x {self.head_dim}"
-        return (f"{self.name}: {self.layers} layers, {kind}, {self.dtype}, block {self.block_size} tokens "
-                f"({self.layer_block_bytes} B per layer-block, {self.block_bytes} B per block)")
+        return (
+            f"{self.name}: {self.layers} layers, {kind}, {self.dtype}, block {self.block_size} tokens "
+            f"({self.layer_block_bytes} B per layer-block, {self.block_bytes} B per block)"
+        )
 
 
 PRESETS: dict[str, Geometry] = {

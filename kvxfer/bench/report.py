@@ -29,23 +29,36 @@ def table(rows: list[dict]) -> str:
     head += ["baseline", "base GB/s", "ratio", "paired", "memcpy", "verified"]
     lines = []
     for r in rows:
-        cells = [r["transport"], r["mode"], r["pattern"], _size(r["block_bytes"]), _size(r["total_bytes"]),
-                 _num(r.get("descriptors"), "d"), _num(r.get("gbps"), ".2f"), _num(r.get("p50_ms"), ".1f"),
-                 _num(r.get("p99_ms"), ".1f")]
+        cells = [
+            r["transport"],
+            r["mode"],
+            r["pattern"],
+            _size(r["block_bytes"]),
+            _size(r["total_bytes"]),
+            _num(r.get("descriptors"), "d"),
+            _num(r.get("gbps"), ".2f"),
+            _num(r.get("p50_ms"), ".1f"),
+            _num(r.get("p99_ms"), ".1f"),
+        ]
         if latency:
             cells += [_num(r.get("req_s"), ".0f")]
-        cells += [r.get("baseline") or "-", _num(r.get("baseline_gbps"), ".2f"),
-                  (_num(r.get("ratio"), ".2f") + "x") if r.get("ratio") else "-",
-                  (_num(r.get("ratio_paired"), ".2f") + "x") if r.get("ratio_paired") else "-",
-                  _num(r.get("memcpy_gbps"), ".1f"),
-                  "FAILED" if r.get("error") else ("yes" if r.get("verified") else "NO")]
+        cells += [
+            r.get("baseline") or "-",
+            _num(r.get("baseline_gbps"), ".2f"),
+            (_num(r.get("ratio"), ".2f") + "x") if r.get("ratio") else "-",
+            (_num(r.get("ratio_paired"), ".2f") + "x") if r.get("ratio_paired") else "-",
+            _num(r.get("memcpy_gbps"), ".1f"),
+            "FAILED" if r.get("error") else ("yes" if r.get("verified") else "NO"),
+        ]
         lines.append(cells)
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines)]
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *lines, strict=True)]
     right = {i for i, h in enumerate(head) if h not in ("transport", "mode", "pattern", "baseline", "verified")}
 
     def fmt(cells):
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
 
     out = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines]
     for r in rows:
@@ -62,15 +75,21 @@ def header(rows: list[dict], geometry_text: str) -> str:
         return geometry_text
     r = rows[0]
     if r.get("kind") == "latency":
-        what = (f"latency: {r['requests']} requests of {r['request_blocks']} blocks, {r['concurrency']} in flight; "
-                f"p50/p99 from producer submit to {r['latency_clock']}; baseline: the same requests one at a time")
+        what = (
+            f"latency: {r['requests']} requests of {r['request_blocks']} blocks, {r['concurrency']} in flight; "
+            f"p50/p99 from producer submit to {r['latency_clock']}; baseline: the same requests one at a time"
+        )
     else:
-        what = (f"{r['tokens']} tokens = {r['blocks']} blocks per transfer; GB/s (1e9 B/s) is the median of "
-                f"{r['repeats']} timed transfers after {r['warmup']} warm-up, baselines interleaved")
-    return (f"{geometry_text}\n{what}\n"
-            f"block = bytes of one block in one layer (what one descriptor moves when nothing coalesces); "
-            f"descs = descriptors after coalescing;\nratio = GB/s / base GB/s; paired = median over repeats of "
-            f"each transfer's ratio to the baseline transfer run right beside it")
+        what = (
+            f"{r['tokens']} tokens = {r['blocks']} blocks per transfer; GB/s (1e9 B/s) is the median of "
+            f"{r['repeats']} timed transfers after {r['warmup']} warm-up, baselines interleaved"
+        )
+    return (
+        f"{geometry_text}\n{what}\n"
+        f"block = bytes of one block in one layer (what one descriptor moves when nothing coalesces); "
+        f"descs = descriptors after coalescing;\nratio = GB/s / base GB/s; paired = median over repeats of "
+        f"each transfer's ratio to the baseline transfer run right beside it"
+    )
 
 
 def write_json(rows: list[dict], path: str) -> None:
@@ -105,19 +124,28 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
         series.setdefault((r["transport"], r["mode"], r["pattern"]), []).append((r["block_bytes"], r["gbps"]))
         if r.get("baseline_gbps"):
             # a socket baseline moves the same bytes whatever the pattern; a raw NIXL one the same descriptors
-            key = (r["transport"], r["baseline"], r["mode"], r["pattern"]) if r["baseline"] == "nixl-raw" \
+            key = (
+                (r["transport"], r["baseline"], r["mode"], r["pattern"])
+                if r["baseline"] == "nixl-raw"
                 else (r["transport"], r["baseline"], "", "")
+            )
             refs.setdefault(key, []).append((r["block_bytes"], r["baseline_gbps"]))
         if r.get("memcpy_gbps"):
             memcpy.append((r["block_bytes"], r["memcpy_gbps"]))
-    colors = {}
+    colors: dict[str, str] = {}
     for (transport, mode, pattern), pts in sorted(series.items()):
         pts = sorted(pts)
         color = colors.setdefault(transport, f"C{len(colors)}")
         marker = {"push": "o", "pull": "s"}.get(mode, "^")
         style = {"sequential": "-", "fragmented": "-.", "permuted": ":"}.get(pattern, "-")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=marker, color=color,
-                label=f"kvxfer {transport} {mode} {pattern}")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            style,
+            marker=marker,
+            color=color,
+            label=f"kvxfer {transport} {mode} {pattern}",
+        )
     for (transport, name, mode, pattern), pts in sorted(refs.items()):
         xs = sorted({p[0] for p in pts})
         ys = [sum(v for x, v in pts if x == k) / sum(1 for x, _ in pts if x == k) for k in xs]

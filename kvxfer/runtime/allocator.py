@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -52,8 +53,10 @@ class TokenBlocks:
         ids = np.asarray(ids, dtype=np.int64)
         if len(ids) != n:
             self.runtime.free(ids)
-            raise ValueError(f"the runtime allocator gave {len(ids)} blocks for {n * self.block_size} tokens, "
-                             f"expected {n} (block size {self.block_size})")
+            raise ValueError(
+                f"the runtime allocator gave {len(ids)} blocks for {n * self.block_size} tokens, "
+                f"expected {n} (block size {self.block_size})"
+            )
         return ids
 
     def free(self, ids: np.ndarray) -> None:

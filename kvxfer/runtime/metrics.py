@@ -9,13 +9,15 @@ Expose it with ``prometheus_client.start_http_server(port, registry=service.metr
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 try:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    HAVE_PROMETHEUS = True
 except ImportError:  # pragma: no cover - the metrics extra is optional
-    CollectorRegistry = None
+    HAVE_PROMETHEUS = False
 
 # transfer seconds: from admission to hand-off (sub-millisecond on NVLink up to seconds for 128k tokens on TCP)
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -38,26 +40,30 @@ class _LedgerCollector:
         p = self.prefix
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"{p}_requests_{name}", doc, value=s[name])
-        yield CounterMetricFamily(f"{p}_received_bytes", "KV bytes received into handed-off requests",
-                                  value=s["bytes"])
+        yield CounterMetricFamily(f"{p}_received_bytes", "KV bytes received into handed-off requests", value=s["bytes"])
         yield GaugeMetricFamily(f"{p}_requests_inflight", "Admitted requests still receiving", value=s["inflight"])
-        yield GaugeMetricFamily(f"{p}_requests_handed", "Handed-off requests whose blocks the runtime holds",
-                                value=s["handed"])
-        yield GaugeMetricFamily(f"{p}_free_blocks", "Free blocks in the runtime's allocator (-1: unknown)",
-                                value=s["free_blocks"])
+        yield GaugeMetricFamily(
+            f"{p}_requests_handed", "Handed-off requests whose blocks the runtime holds", value=s["handed"]
+        )
+        yield GaugeMetricFamily(
+            f"{p}_free_blocks", "Free blocks in the runtime's allocator (-1: unknown)", value=s["free_blocks"]
+        )
 
 
 class ServiceMetrics:
     """A private registry with the service's metrics; ``exposition()`` is the Prometheus text format."""
 
     def __init__(self, stats: Callable[[], dict], prefix: str = "kvxfer_receive", registry=None):
-        if CollectorRegistry is None:
+        if not HAVE_PROMETHEUS:
             raise ImportError("metrics need prometheus-client (pip install 'kvxfer[metrics]')")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.registry.register(_LedgerCollector(stats, prefix))
-        self.transfer_seconds = Histogram(f"{prefix}_transfer_seconds",
-                                          "Admission to hand-off time of completed requests",
-                                          buckets=BUCKETS, registry=self.registry)
+        self.transfer_seconds = Histogram(
+            f"{prefix}_transfer_seconds",
+            "Admission to hand-off time of completed requests",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
     def observe(self, seconds: float) -> None:
         self.transfer_seconds.observe(seconds)

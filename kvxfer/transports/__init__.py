@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
+from functools import cache
 
 from ..errors import TransportError
 from .base import Host, Link, Peer, ReadHost, Transport, WriteHost
@@ -24,7 +24,7 @@ def get(name: str) -> type[Transport]:
         raise TransportError(f"transport {name!r} is not available here: {e}") from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _usable(name: str) -> bool:
     try:
         cls = get(name)

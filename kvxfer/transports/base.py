@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, Union
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -25,12 +25,12 @@ class Peer:
     """What the handshake established about the other side."""
 
     session: int
-    address: str                # the consumer's listening address
-    layout: KVLayout            # the peer's layout (remote addresses for one-sided transports)
-    pairing: Pairing            # side ``a`` is the producer's layout, side ``b`` the consumer's
-    meta: bytes                 # the peer's ``local_meta``
-    is_producer: bool           # whether *this* side is the producer
-    key: bytes = b""            # the session key both sides derived in the handshake (data connections prove it)
+    address: str  # the consumer's listening address
+    layout: KVLayout  # the peer's layout (remote addresses for one-sided transports)
+    pairing: Pairing  # side ``a`` is the producer's layout, side ``b`` the consumer's
+    meta: bytes  # the peer's ``local_meta``
+    is_producer: bool  # whether *this* side is the producer
+    key: bytes = b""  # the session key both sides derived in the handshake (data connections prove it)
 
 
 class WriteHost(Protocol):
@@ -55,21 +55,36 @@ class ReadHost(Protocol):
     def end_read(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
 
 
-Host = Union[WriteHost, ReadHost]
+Host = WriteHost | ReadHost
 
 
-class Link(ABC):
+T = TypeVar("T", bound="Transport")
+
+
+class Link(ABC, Generic[T]):
     """The data path to one peer. Both calls block until the bytes moved, the deadline passed, or ``cancel``."""
 
+    t: T  # the local transport that opened this link (set by each implementation)
+    peer: Peer
+
     @abstractmethod
-    def write(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
-              deadline: float, cancel: threading.Event, layers=None) -> int:
+    def write(
+        self,
+        req: str,
+        gen: int,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        deadline: float,
+        cancel: threading.Event,
+        layers=None,
+    ) -> int:
         """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved.
         ``layers`` restricts the write to those layers of every block (one part of a multi-sender push)."""
 
     @abstractmethod
-    def read(self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray,
-             deadline: float, cancel: threading.Event) -> int:
+    def read(
+        self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray, deadline: float, cancel: threading.Event
+    ) -> int:
         """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
 
     def pairing(self, layers=None) -> Pairing:
@@ -90,7 +105,7 @@ class Link(ABC):
         return 0
 
     def close(self) -> None:
-        pass
+        """Release what this link holds; a no-op for links that hold nothing of their own."""
 
 
 class Transport(ABC):
@@ -115,7 +130,7 @@ class Transport(ABC):
         sock.close()
 
     def disconnect(self, session: int) -> None:
-        """Forget a peer whose control session ended."""
+        """Forget a peer whose control session ended; a no-op for transports that keep no per-peer state."""
 
     def close(self) -> None:
-        pass
+        """Release the registered memory and every link; a no-op for transports that hold none."""

@@ -12,6 +12,7 @@ notifications (which also progresses the passive side).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -20,20 +21,21 @@ import threading
 import time
 import uuid
 import weakref
+from typing import cast
 
 import msgspec
 import numpy as np
 
-from ..errors import CancelledError, PeerError, DeadlineError, TransportError
+from ..errors import CancelledError, DeadlineError, PeerError, TransportError
 from ..memory import HOST
 from ..plan import Extents, make_plan
-from .base import Link, Peer, Transport
+from .base import Link, Peer, Transport, WriteHost
 
 _NOTIF = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
 
 
-_LIVE: "weakref.WeakSet[NixlTransport]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
 
 
 @atexit.register
@@ -63,10 +65,8 @@ def exit_before_native_teardown(status: int) -> None:
         return
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing left to say
             stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
-            pass
     os._exit(status)
 
 
@@ -116,7 +116,7 @@ class NixlTransport(Transport):
         regs = np.stack([self.ptrs, np.array([r.nbytes for r in layout.regions], dtype=np.uint64), self.devs], 1)
         try:
             self.reg = self.agent.register_memory(regs, self.mem_type)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _error(e, "registering KV memory with NIXL") from None
         self.links: dict[int, NixlLink] = {}
         self.by_agent: dict[str, NixlLink] = {}
@@ -134,11 +134,11 @@ class NixlTransport(Transport):
         with self.lock:
             return self._live_agent().get_agent_metadata()
 
-    def connect(self, peer: Peer) -> "NixlLink":
+    def connect(self, peer: Peer) -> NixlLink:
         try:
             with self.lock:
                 name = self._live_agent().add_remote_agent(peer.meta)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise _error(e, "adding the peer's NIXL agent") from None
         name = name.decode() if isinstance(name, bytes) else name
         link = NixlLink(self, peer, name)
@@ -155,10 +155,8 @@ class NixlTransport(Transport):
             self.by_agent.pop(link.remote, None)
             link.closed = True
             if link.remote not in {x.remote for x in self.links.values()}:
-                try:
+                with contextlib.suppress(Exception):  # a dead peer may already be gone
                     self._live_agent().remove_remote_agent(link.remote)
-                except Exception:  # noqa: BLE001 - a dead peer may already be gone
-                    pass
 
     def _poll_loop(self) -> None:
         """Drain notifications (push arrivals) and progress this agent: a peer's request completes only
@@ -170,7 +168,7 @@ class NixlTransport(Transport):
                     if self.closed or self.agent is None:
                         return
                     notifs = self.agent.get_new_notifs()
-            except Exception:  # noqa: BLE001 - keep polling; a broken peer shows up on its own transfers
+            except Exception:  # keep polling; a broken peer shows up on its own transfers
                 notifs = {}
             got = False
             for agent_name, msgs in notifs.items():
@@ -182,7 +180,7 @@ class NixlTransport(Transport):
                     except msgspec.MsgspecError:
                         continue
                     if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
-                        self.host.landed(link.peer.session, req, gen, nbytes)
+                        cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
             idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval)
             time.sleep(idle)
 
@@ -195,21 +193,17 @@ class NixlTransport(Transport):
         with self.lock:
             agent, self.agent = self.agent, None
             for name in {x.remote for x in self.links.values()}:
-                try:
+                with contextlib.suppress(Exception):
                     agent.remove_remote_agent(name)
-                except Exception:  # noqa: BLE001
-                    pass
             self.links.clear()
             self.by_agent.clear()
-            try:
+            with contextlib.suppress(Exception):
                 agent.deregister_memory(self.reg)
-            except Exception:  # noqa: BLE001
-                pass
             del agent  # the last reference: the C++ agent is destroyed here, not at interpreter exit
         _LIVE.discard(self)
 
 
-class NixlLink(Link):
+class NixlLink(Link[NixlTransport]):
     def __init__(self, transport: NixlTransport, peer: Peer, remote: str):
         self.t = transport
         self.peer = peer
@@ -236,8 +230,9 @@ class NixlLink(Link):
     def descriptors(self, src_ids, dst_ids) -> int:
         return len(self._plan(src_ids, dst_ids))
 
-    def _run(self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float,
-             cancel: threading.Event) -> None:
+    def _run(
+        self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float, cancel: threading.Event
+    ) -> None:
         agent, lock = self.t.agent, self.t.lock
         if agent is None:
             raise PeerError("NIXL transport closed")
@@ -270,15 +265,13 @@ class NixlLink(Link):
                 raise TransportError(f"NIXL {op} ended in state {state}")
         except (CancelledError, PeerError, DeadlineError, TransportError):
             raise
-        except Exception as e:  # noqa: BLE001 - NIXL's own exception types
+        except Exception as e:  # NIXL's own exception types
             raise _error(e, f"NIXL {op}") from None
         finally:
             if handle is not None:
-                with lock:
-                    try:
-                        agent.release_xfer_handle(handle)
-                    except Exception:  # noqa: BLE001 - a handle still in flight cannot always be released
-                        pass
+                # a handle still in flight cannot always be released
+                with lock, contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
 
     def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
         plan = self._plan(src_ids, dst_ids, layers)

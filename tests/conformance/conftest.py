@@ -9,6 +9,7 @@ from .peers import ConsumerProcess, ProducerProcess
 SENTINEL = 0xAB
 # Suite-wide consumer settings: short quarantine so one-sided transports free failed blocks quickly.
 CONSUMER_OPTIONS = {"quarantine": 0.2, "deadline": 20.0}
+DEFAULT_SPEC = Spec()  # immutable, so one instance serves every default
 
 
 class LocalConsumer:
@@ -29,7 +30,7 @@ class LocalConsumer:
 def consumers(transport):
     made = []
 
-    def make(spec: Spec = Spec(), **options) -> LocalConsumer:
+    def make(spec: Spec = DEFAULT_SPEC, **options) -> LocalConsumer:
         c = LocalConsumer(spec, transport, **options)
         made.append(c)
         return c
@@ -43,7 +44,7 @@ def consumers(transport):
 def producers(transport):
     made = []
 
-    def make(spec: Spec = Spec(), seed: int = 0, **options) -> ProducerProcess:
+    def make(spec: Spec = DEFAULT_SPEC, seed: int = 0, **options) -> ProducerProcess:
         p = ProducerProcess(spec, transport, seed=seed, **options)
         made.append(p)
         return p
@@ -57,7 +58,7 @@ def producers(transport):
 def remote_consumers(transport):
     made = []
 
-    def make(spec: Spec = Spec(), **options) -> ConsumerProcess:
+    def make(spec: Spec = DEFAULT_SPEC, **options) -> ConsumerProcess:
         c = ConsumerProcess(spec, transport, **{**CONSUMER_OPTIONS, **options})
         made.append(c)
         return c

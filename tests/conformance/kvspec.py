@@ -53,8 +53,12 @@ class Spec:
         if self.lib == "torch":
             import torch
 
-            raw = [torch.from_numpy(a).view(getattr(torch, self.dtype)) if self.dtype == "bfloat16"
-                   else torch.from_numpy(a) for a in raw]
+            raw = [
+                torch.from_numpy(a).view(getattr(torch, self.dtype))
+                if self.dtype == "bfloat16"
+                else torch.from_numpy(a)
+                for a in raw
+            ]
         elif self.dtype == "bfloat16":
             raise ValueError("bfloat16 needs lib='torch'")
         if self.kind == "cross_layer":
@@ -112,17 +116,17 @@ def block_bytes(views, ids) -> list[np.ndarray]:
     """The bytes of blocks ``ids`` in every layer (and K/V part), for comparing two sides."""
     out = []
     for v in views:
-        for part in (v if isinstance(v, tuple) else (v,)):
+        for part in v if isinstance(v, tuple) else (v,):
             out.append(as_bytes(part)[np.asarray(ids)])
     return out
 
 
 def untouched(views, granted, fill: int) -> bool:
     """Whether every block not in ``granted`` still holds only the sentinel byte ``fill``."""
-    keep = np.ones(as_bytes((views[0][0] if isinstance(views[0], tuple) else views[0])).shape[0], dtype=bool)
+    keep = np.ones(as_bytes(views[0][0] if isinstance(views[0], tuple) else views[0]).shape[0], dtype=bool)
     keep[np.asarray(granted, dtype=np.int64)] = False
     for v in views:
-        for part in (v if isinstance(v, tuple) else (v,)):
+        for part in v if isinstance(v, tuple) else (v,):
             if not (as_bytes(part)[keep] == fill).all():
                 return False
     return True

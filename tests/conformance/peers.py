@@ -42,15 +42,30 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
         producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
 
     try:
-        serve(conn, None, {"push": lambda *a: start("push", *a), "offer": lambda *a: start("offer", *a),
-                           "wait": wait, "hold": gate.clear, "go": gate.set, "redone": redone})
+        serve(
+            conn,
+            None,
+            {
+                "push": lambda *a: start("push", *a),
+                "offer": lambda *a: start("offer", *a),
+                "wait": wait,
+                "hold": gate.clear,
+                "go": gate.set,
+                "redone": redone,
+            },
+        )
     finally:
         producer.close()
 
 
 def _summary(t) -> dict:
-    return {"status": t.status.value, "nbytes": t.nbytes, "gen": t.gen,
-            "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(), "descriptors": t.descriptors}
+    return {
+        "status": t.status.value,
+        "nbytes": t.nbytes,
+        "gen": t.gen,
+        "dst_ids": None if t.dst_ids is None else t.dst_ids.tolist(),
+        "descriptors": t.descriptors,
+    }
 
 
 PeerError = RemoteError  # what the conformance tests catch: an exception raised in the peer process

@@ -38,7 +38,7 @@ class RawPeer:
                     return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except socket.timeout:
+        except TimeoutError:
             return False
 
     def hello(self, layout, transport: str, *, version: int = wire.VERSION, auth: str = ""):

@@ -18,8 +18,9 @@ def _alive(consumer, producer, req="alive"):
     consumer.release(arrival.req)
 
 
-@pytest.mark.parametrize("ids,why", [([64], "out of range"), ([-1], "out of range"), ([3, 3], "duplicates"),
-                                     ([], "empty")])
+@pytest.mark.parametrize(
+    "ids,why", [([64], "out of range"), ([-1], "out of range"), ([3, 3], "duplicates"), ([], "empty")]
+)
 def test_bad_block_ids_are_refused_at_the_source(consumers, producers, ids, why):
     consumer = consumers()
     producer = producers()
@@ -38,8 +39,9 @@ def test_more_blocks_than_the_consumer_has_is_busy(consumers, producers):
     assert consumer.stats()["free_blocks"] == 64
 
 
-@pytest.mark.parametrize("other", [Spec(dtype="float32"), Spec(heads=4), Spec(kind="hnd"), Spec(layers=2),
-                                   Spec(block_size=8, head_dim=4)])
+@pytest.mark.parametrize(
+    "other", [Spec(dtype="float32"), Spec(heads=4), Spec(kind="hnd"), Spec(layers=2), Spec(block_size=8, head_dim=4)]
+)
 def test_incompatible_layouts_are_refused(consumers, producers, other):
     consumer = consumers(Spec())
     producer = producers(other)

@@ -10,7 +10,7 @@ from .kvspec import KINDS, Spec, block_bytes, untouched
 def _check(consumer, spec_src, seed, src_ids, arrival):
     src = block_bytes(source_views(spec_src, seed), src_ids)
     dst = block_bytes(consumer.views, arrival.block_ids)
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         np.testing.assert_array_equal(a, b)
     assert untouched(consumer.views, arrival.block_ids, SENTINEL)
 
@@ -43,8 +43,10 @@ def test_block_patterns(consumers, producers, pattern, n):
         consumer.release(arrival.req)
 
 
-@pytest.mark.parametrize("dtype,lib", [("float16", "numpy"), ("float32", "numpy"), ("uint8", "numpy"),
-                                       ("bfloat16", "torch"), ("float16", "torch")])
+@pytest.mark.parametrize(
+    "dtype,lib",
+    [("float16", "numpy"), ("float32", "numpy"), ("uint8", "numpy"), ("bfloat16", "torch"), ("float16", "torch")],
+)
 def test_dtypes_and_libraries(consumers, producers, dtype, lib):
     spec = Spec(kind="hnd", dtype=dtype, lib=lib)
     consumer = consumers(spec)

@@ -31,7 +31,7 @@ def test_several_producer_processes(consumers, producers):
     sources = {i: SPEC.build(seed=100 + i)[2] for i in range(3)}
     for req, (i, ids) in plans.items():
         a = arrivals[req]
-        for s, d in zip(block_bytes(sources[i], ids), block_bytes(consumer.views, a.block_ids)):
+        for s, d in zip(block_bytes(sources[i], ids), block_bytes(consumer.views, a.block_ids), strict=True):
             np.testing.assert_array_equal(s, d)
     held = np.concatenate([a.block_ids for a in arrivals.values()])
     assert len(np.unique(held)) == len(held)
@@ -71,7 +71,7 @@ def test_many_requests_in_flight_from_threads(consumers, transport):
             a = consumer.get(10)
             got[a.req] = a
         for name, ids in jobs.items():
-            for s, d in zip(block_bytes(views, ids), block_bytes(consumer.views, got[name].block_ids)):
+            for s, d in zip(block_bytes(views, ids), block_bytes(consumer.views, got[name].block_ids), strict=True):
                 np.testing.assert_array_equal(s, d)
             consumer.release(name)
         wait_for(lambda: consumer.stats()["free_blocks"] == SPEC.num_blocks, 5)

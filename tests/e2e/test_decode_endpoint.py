@@ -9,8 +9,9 @@ import time
 
 import httpx
 import pytest
+
 from conformance.kvspec import Spec
-from runtime_peers import Sender
+from conformance.peers import ProducerProcess as Sender
 
 from .conftest import start_decode
 

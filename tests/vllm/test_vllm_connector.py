@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from procs import RemoteError
 from vllm_consumer import CacheSpec, block_stream
 
 pytestmark = pytest.mark.vllm
@@ -59,7 +60,7 @@ def _check_bytes(vh, e, arrival, *, whole_blocks: bool) -> int:
         order = next(o for o in e.worker.orders if o.req_id == rid)
         layout = e.worker.kvxfer.producer.layout
         assert len(arrival["blocks"]) == len(order.block_ids)
-        for got, src in zip(arrival["blocks"], order.block_ids):
+        for got, src in zip(arrival["blocks"], order.block_ids, strict=True):
             assert got == block_stream(layout, src), (rid, src)
     return n
 
@@ -68,14 +69,13 @@ def test_batch_of_claimed_and_unclaimed_chunked_and_prefix_hit(vh, engines, cons
     c = consumers(spec=CacheSpec(num_blocks=64))
     e = engines(_ktc(vh, digests=True), max_batched=64)
     claim = {"kvxfer": {"consumer": c.address, "meta": {"route": "tilert-0"}}}
-    e.add(vh.make_request("kvx-long", 150, 1, claim, seed=1))              # chunked: 64 + 64 + 22 tokens
-    e.add(vh.make_request("plain", 20, 3, None, seed=2))                    # no kv_transfer_params at all
+    e.add(vh.make_request("kvx-long", 150, 1, claim, seed=1))  # chunked: 64 + 64 + 22 tokens
+    e.add(vh.make_request("plain", 20, 3, None, seed=2))  # no kv_transfer_params at all
     e.add(vh.make_request("other", 40, 2, {"do_remote_decode": False}, seed=3))  # someone else's params
     e.add(vh.make_request("kvx-decodes", 30, 4, {"kvxfer": {"consumer": c.address}}, seed=4))
     e.run()
     # the same prompt again: a local prefix-cache hit, whose cached blocks must be shipped too
-    e.add(vh.make_request("kvx-prefix", 150, 1, {"kvxfer": {"consumer": c.address, "request_id": "dec-7"}},
-                          seed=1))
+    e.add(vh.make_request("kvx-prefix", 150, 1, {"kvxfer": {"consumer": c.address, "request_id": "dec-7"}}, seed=1))
     e.run()
 
     assert e.outputs["plain"]["kv_transfer_params"] is None
@@ -98,8 +98,12 @@ def test_batch_of_claimed_and_unclaimed_chunked_and_prefix_hit(vh, engines, cons
     assert _check_bytes(vh, e, arrivals["dec-7"], whole_blocks=True) == 150
     assert _check_bytes(vh, e, arrivals["kvx-decodes"], whole_blocks=False) == 30
     assert arrivals["kvx-long"]["digests"] == 4 * 10 and arrivals["dec-7"]["digests"] == 4 * 10  # CRC per block
-    assert arrivals["kvx-long"]["meta"] == {"route": "tilert-0", "num_tokens": 150, "block_size": 16,
-                                            "vllm_request_id": "kvx-long"}
+    assert arrivals["kvx-long"]["meta"] == {
+        "route": "tilert-0",
+        "num_tokens": 150,
+        "block_size": 16,
+        "vllm_request_id": "kvx-long",
+    }
     assert arrivals["dec-7"]["meta"]["vllm_request_id"] == "kvx-prefix"
     # prefix blocks are shared: the hit shipped the very blocks kvx-long computed
     orders = {o.req_id: o for o in e.worker.orders}
@@ -119,6 +123,7 @@ def test_unclaimed_requests_are_a_complete_no_op(vh, engines):
     def spy(request, blocks, n):
         orig(request, blocks, n)
         calls.append((request.request_id, sched_conn.pending()))
+
     sched_conn.update_state_after_alloc = spy
     for i in range(4):
         e.add(vh.make_request(f"r{i}", 40 + i, 3, None if i % 2 else {"foo": {"consumer": "x:1"}}, seed=i))
@@ -162,6 +167,7 @@ def test_consumer_busy_is_retried_until_admitted(vh, engines, consumers, kvlog):
         if seen["retries"] >= 2 and not seen["released"]:
             c.release("A")
             seen["released"] = True
+
     e.run(on_step=on_step)
     assert seen["released"] and seen["retries"] >= 2
     b = c.get(10)
@@ -196,8 +202,8 @@ def test_abort_while_shipping_and_mid_prefill(vh, engines, consumers):
     e.add(vh.make_request("A", 64, 1, {"kvxfer": {"consumer": c.address}}, seed=31))
     e.run()
     c.get(10, release=False)  # consumer full: B's shipment keeps retrying Busy
-    e.add(vh.make_request("B", 64, 500, {"kvxfer": {"consumer": c.address}}, seed=32))   # decodes on
-    e.add(vh.make_request("C", 200, 1, {"kvxfer": {"consumer": c.address}}, seed=33))    # chunked prefill
+    e.add(vh.make_request("B", 64, 500, {"kvxfer": {"consumer": c.address}}, seed=32))  # decodes on
+    e.add(vh.make_request("C", 200, 1, {"kvxfer": {"consumer": c.address}}, seed=33))  # chunked prefill
     state = {}
 
     def on_step(eng):
@@ -208,6 +214,7 @@ def test_abort_while_shipping_and_mid_prefill(vh, engines, consumers):
         if "C" not in state and r is not None and 0 < r.num_computed_tokens < 200:
             eng.abort("C")  # mid chunked prefill: nothing was ordered, nothing is held
             state["C"] = time.monotonic()
+
     e.run(on_step=on_step)
     assert "B" in state and "C" in state
     assert e.finished_sending == {"A": 1, "B": 1}
@@ -215,7 +222,7 @@ def test_abort_while_shipping_and_mid_prefill(vh, engines, consumers):
     assert [o.req_id for o in e.worker.orders] == ["A", "B"]
     e.assert_no_leaks()
     c.release("A")
-    with pytest.raises(Exception, match="no arrival"):
+    with pytest.raises(RemoteError, match="DeadlineError: no arrival"):
         c.get(0.5)
     s = c.stats()
     assert s["completed"] == 1 and s["inflight"] == 0
@@ -279,7 +286,7 @@ def test_preempted_mid_transfer_is_cancelled_and_leaks_nothing(vh, engines, cons
     assert p["status"] == "cancelled" and "preempted" in p["error"]
     assert [o.req_id for o in e.worker.orders] == ["warm", "A"]  # shipped once, never again after resuming
     e.assert_no_leaks()
-    with pytest.raises(Exception, match="no arrival"):
+    with pytest.raises(RemoteError, match="DeadlineError: no arrival"):
         c.get(0.3)
     deadline = time.monotonic() + 5
     while c.stats()["inflight"] and time.monotonic() < deadline:  # the consumer's own deadline frees its grant
@@ -298,6 +305,7 @@ def test_transfer_ended_before_finish_frees_without_holding(vh, engines, consume
         end = time.monotonic() + 10
         while eng.worker.kvxfer.pending().get("long-decode") in SHIPPING and time.monotonic() < end:
             time.sleep(0.005)
+
     e.run(on_step=on_step)
     p = e.outputs["long-decode"]["kv_transfer_params"]["kvxfer"]
     assert p["status"] == "done" and e.outputs["long-decode"]["tokens"] == 12
@@ -319,6 +327,7 @@ def test_no_thread_waits_per_request_in_flight(vh, engines, consumers):
 
     def shipping(n):
         return lambda eng: sum(s == "shipping" for s in eng.worker.kvxfer.pending().values()) >= n
+
     e.add(vh.make_request("r0", 20, 1, {"kvxfer": {"consumer": c.address}}, seed=111))
     e.run(timeout=10, until=shipping(1))
     before = threading.enumerate()

@@ -34,10 +34,10 @@ def test_multiconnector_beside_nixl_one_batch(vh, nixl, engines, consumers):
     kvx = {"consumer": c.address}
     reqs = {
         "kvx": (100, {"kvxfer": kvx}),
-        "pd": (60, {"do_remote_decode": True}),                      # the regular pool: Nixl's P side
-        "both": (70, {"do_remote_decode": True, "kvxfer": kvx}),     # both children hold its blocks
+        "pd": (60, {"do_remote_decode": True}),  # the regular pool: Nixl's P side
+        "both": (70, {"do_remote_decode": True, "kvxfer": kvx}),  # both children hold its blocks
         "plain": (50, None),
-        "kvx-chunked": (300, {"kvxfer": kvx}),                       # 128 + 128 + 44 tokens
+        "kvx-chunked": (300, {"kvxfer": kvx}),  # 128 + 128 + 44 tokens
     }
     for i, (rid, (n, params)) in enumerate(reqs.items()):
         e.add(vh.make_request(rid, n, 1, params, seed=70 + i, block=32))

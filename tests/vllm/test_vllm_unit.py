@@ -28,19 +28,24 @@ def test_loaded_by_module_path_supports_hma(vh):
 def test_parse_claim_and_settings(vh):
     from kvxfer.integrations.vllm import Settings, parse_claim
 
-    s = Settings.from_extra({"transport": "tcp", "deadline": 5, "digests": True,
-                             "allowed_consumers": ["10.0.0.1", "decode-2:7000"]})
+    s = Settings.from_extra(
+        {"transport": "tcp", "deadline": 5, "digests": True, "allowed_consumers": ["10.0.0.1", "decode-2:7000"]}
+    )
     assert parse_claim(None, "r", s) is None
     assert parse_claim({"do_remote_decode": True}, "r", s) is None
     c = parse_claim({"kvxfer": {"consumer": "10.0.0.1:9000", "meta": {"a": [1, 2]}, "deadline": 60}}, "r", s)
     assert c.error is None and c.transfer_id == "r" and c.deadline == 5 and c.digests is True
     c = parse_claim({"kvxfer": {"consumer": "decode-2:7000", "request_id": "d-1", "digests": False}}, "r", s)
     assert c.error is None and c.transfer_id == "d-1" and c.digests is False
-    for bad in ({"kvxfer": None}, {"kvxfer": {}}, {"kvxfer": {"consumer": "decode-2:7001"}},
-                {"kvxfer": {"consumer": "10.0.0.1:1", "meta": "x"}},
-                {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": object()}}},
-                {"kvxfer": {"consumer": "10.0.0.1:1", "deadline": -1}},
-                {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": ""}}):
+    for bad in (
+        {"kvxfer": None},
+        {"kvxfer": {}},
+        {"kvxfer": {"consumer": "decode-2:7001"}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "meta": "x"}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": object()}}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "deadline": -1}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": ""}},
+    ):
         c = parse_claim(bad, "r", s)
         assert c is not None and c.error, bad
     with pytest.raises(ValueError):
@@ -48,6 +53,7 @@ def test_parse_claim_and_settings(vh):
     with pytest.raises(ValueError):
         Settings.from_extra({"allowed_consumers": "10.0.0.1"})
     import os
+
     os.environ["KVXFER_TEST_TOKEN"] = "s3cret"
     assert Settings.from_extra({"auth_env": "KVXFER_TEST_TOKEN"}).auth == "s3cret"
 
@@ -91,8 +97,7 @@ def test_sleep_mode_unregister_and_restore(vh, engines, consumers):
 def test_refuses_consumer_role(vh):
     from vllm.config import KVTransferConfig
 
-    ktc = KVTransferConfig(kv_connector="KVXferConnector", kv_connector_module_path=vh.MODULE,
-                           kv_role="kv_consumer")
+    ktc = KVTransferConfig(kv_connector="KVXferConnector", kv_connector_module_path=vh.MODULE, kv_role="kv_consumer")
     with pytest.raises(ValueError, match="producer"):
         vh.Engine(ktc)
 
@@ -129,10 +134,20 @@ def test_kernel_blocks_smaller_than_manager_blocks(vh, consumers):
     try:
         w.register_kv_caches(kv)
         lay = w.producer.layout
-        assert w.connector_worker.ratio == 2 and lay.num_blocks == 2 * kvc.num_blocks \
-            and lay.fingerprint.block_size == 8
-        order = ShipOrder(req_id="k", transfer_id="k", consumer=c.address, block_ids=[3, 5], num_tokens=30,
-                          attempt=1, deadline=10, digests=True, meta={})
+        assert (
+            w.connector_worker.ratio == 2 and lay.num_blocks == 2 * kvc.num_blocks and lay.fingerprint.block_size == 8
+        )
+        order = ShipOrder(
+            req_id="k",
+            transfer_id="k",
+            consumer=c.address,
+            block_ids=[3, 5],
+            num_tokens=30,
+            attempt=1,
+            deadline=10,
+            digests=True,
+            meta={},
+        )
         w.bind_connector_metadata(KVXferConnectorMetadata(ship=[order]))
         w.wait_for_save()
         w.clear_connector_metadata()

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from procs import PipedProcess, serve
 
 
-
 @dataclass(frozen=True)
 class CacheSpec:
     """Per-layer ``[num_blocks, kv_heads, block_size, C]`` tensors (contiguous, as vLLM's LBHNC on CPU)."""
@@ -33,7 +32,8 @@ class CacheSpec:
         for i in range(self.layers):
             a = np.full(shape, 0xC0E0, dtype=np.uint16)  # bf16 -7.0: a sentinel no producer writes
             out[f"model.layers.{i}.self_attn.attn"] = TensorView(
-                a.ctypes.data, shape, a.strides, 2, "bfloat16", owner=a)
+                a.ctypes.data, shape, a.strides, 2, "bfloat16", owner=a
+            )
         return out
 
 
@@ -43,10 +43,15 @@ def block_stream(layout, block: int) -> bytes:
 
     bufs = [host_buffer(r) for r in layout.regions]
     out = bytearray()
-    for r, off, stride, n in zip(layout.seg_region.tolist(), layout.seg_offset.tolist(),
-                                 layout.seg_stride.tolist(), layout.seg_bytes.tolist()):
+    for r, off, stride, n in zip(
+        layout.seg_region.tolist(),
+        layout.seg_offset.tolist(),
+        layout.seg_stride.tolist(),
+        layout.seg_bytes.tolist(),
+        strict=True,
+    ):
         start = off + block * stride
-        out += bytes(bufs[r][start:start + n])
+        out += bytes(bufs[r][start : start + n])
     return bytes(out)
 
 
@@ -61,8 +66,14 @@ def _main(conn, spec: CacheSpec, transport: str, options: dict) -> None:
         blocks = [block_stream(layout, int(b)) for b in a.block_ids.tolist()]
         if release:
             consumer.release(a.req)
-        return {"req": a.req, "ids": a.block_ids.tolist(), "meta": a.meta, "nbytes": a.nbytes,
-                "digests": len(a.digests), "blocks": blocks}
+        return {
+            "req": a.req,
+            "ids": a.block_ids.tolist(),
+            "meta": a.meta,
+            "nbytes": a.nbytes,
+            "digests": len(a.digests),
+            "blocks": blocks,
+        }
 
     try:
         serve(conn, consumer.address, {"stats": consumer.stats, "get": get, "release": consumer.release})
@@ -86,4 +97,3 @@ class ConsumerProcess(PipedProcess):
 
     def release(self, req: str) -> bool:
         return self.call("release", req)
-

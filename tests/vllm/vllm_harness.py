@@ -7,15 +7,13 @@ Imported only after the session fixture checked that vLLM imports (it imports vL
 
 from __future__ import annotations
 
-import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
-from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -34,6 +32,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvxfer.integrations.vllm import KVXferConnector, KVXferConnectorMetadata, ShipOrder
+from vllm import SamplingParams
 
 MODEL_DIR = str(Path(__file__).parent / "tiny-llama")  # config.json only: a 2-layer Llama, no weights, no hub
 MODULE = "kvxfer.integrations.vllm"
@@ -49,37 +48,72 @@ _hash_ready = False
 # configs
 # ------------------------------------------------------------------------------------------------------------
 def kvxfer_ktc(**extra) -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="KVXferConnector", kv_connector_module_path=MODULE,
-                            kv_role="kv_producer", kv_connector_extra_config=extra)
+    return KVTransferConfig(
+        kv_connector="KVXferConnector",
+        kv_connector_module_path=MODULE,
+        kv_role="kv_producer",
+        kv_connector_extra_config=extra,
+    )
 
 
 def multi_ktc(extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None) -> KVTransferConfig:
-    children = [{"kv_connector": "KVXferConnector", "kv_connector_module_path": MODULE, "kv_role": "kv_producer",
-                 "kv_connector_extra_config": extra}]
+    children = [
+        {
+            "kv_connector": "KVXferConnector",
+            "kv_connector_module_path": MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        }
+    ]
     if nixl:
-        children.append({"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
-                         "kv_connector_extra_config": dict(nixl_extra or {})})
-    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_producer",
-                            kv_connector_extra_config={"connectors": children})
+        children.append(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_producer",
+                "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": dict(nixl_extra or {}),
+            }
+        )
+    return KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={"connectors": children}
+    )
 
 
-def make_vllm_config(ktc: KVTransferConfig | None, *, max_batched: int = 64, max_seqs: int = 8, block: int = 16,
-                     max_model_len: int = 1024, layout: str = "LBHNC") -> VllmConfig:
-    model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="bfloat16",
-                               max_model_len=max_model_len, seed=0)
-    sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-                            enable_chunked_prefill=True, is_encoder_decoder=False)
+def make_vllm_config(
+    ktc: KVTransferConfig | None,
+    *,
+    max_batched: int = 64,
+    max_seqs: int = 8,
+    block: int = 16,
+    max_model_len: int = 1024,
+    layout: str = "LBHNC",
+) -> VllmConfig:
+    model_config = ModelConfig(
+        model=MODEL_DIR, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_model_len, seed=0
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_batched,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
     cache = CacheConfig(block_size=block, enable_prefix_caching=True)
     cache.kv_cache_layout = layout  # the engine core resolves it from the backends; CPU_ATTN -> LBHNC
-    return VllmConfig(model_config=model_config, scheduler_config=sched, cache_config=cache,
-                      kv_transfer_config=ktc, device_config=DeviceConfig("cpu"))
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=sched,
+        cache_config=cache,
+        kv_transfer_config=ktc,
+        device_config=DeviceConfig("cpu"),
+    )
 
 
 def make_kv_cache_config(vc: VllmConfig, num_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=KV_HEADS, head_size=HEAD,
-                             dtype=DTYPE)
-    cfg = get_kv_cache_config_from_groups(vc, [KVCacheGroupSpec(list(LAYERS), spec)],
-                                          spec.page_size_bytes * len(LAYERS) * num_blocks)
+    spec = FullAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=DTYPE)
+    cfg = get_kv_cache_config_from_groups(
+        vc, [KVCacheGroupSpec(list(LAYERS), spec)], spec.page_size_bytes * len(LAYERS) * num_blocks
+    )
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     return cfg
 
@@ -88,8 +122,9 @@ def prompt_tokens(prompt_len: int, seed: int) -> list[int]:
     return [(seed * 31 + i * 7) % 1000 + 3 for i in range(prompt_len)]
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, kv_params: dict | None, seed: int = 1,
-                 block: int = 16) -> Request:
+def make_request(
+    rid: str, prompt_len: int, max_tokens: int, kv_params: dict | None, seed: int = 1, block: int = 16
+) -> Request:
     """A Request exactly as the engine builds it: kv_transfer_params travel in SamplingParams.extra_args."""
     global _hash_ready
     if not _hash_ready:
@@ -98,8 +133,13 @@ def make_request(rid: str, prompt_len: int, max_tokens: int, kv_params: dict | N
     extra = {"kv_transfer_params": kv_params} if kv_params is not None else None
     sp = SamplingParams(max_tokens=max_tokens, extra_args=extra)
     sp.update_from_generation_config({}, EOS)
-    return Request(request_id=rid, prompt_token_ids=prompt_tokens(prompt_len, seed), sampling_params=sp,
-                   pooling_params=None, block_hasher=get_request_block_hasher(block, sha256))
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt_tokens(prompt_len, seed),
+        sampling_params=sp,
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(block, sha256),
+    )
 
 
 def slot_value(token: int, pos: int, layer: int) -> float:
@@ -160,7 +200,7 @@ class Worker:
             elif nb:
                 self.block_tables.setdefault(rid, []).extend(nb[0])
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        starts.update(zip(c.req_ids, c.num_computed_tokens))
+        starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
         for rid in so.finished_req_ids:
             self.block_tables.pop(rid, None)
         ours = self._our_meta(so.kv_connector_metadata)
@@ -174,8 +214,10 @@ class Worker:
             if so.total_num_scheduled_tokens == 0:
                 kv_out = KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vc).kv_connector_output
             else:
-                with set_forward_context(None, self.vc), \
-                        KVConnectorModelRunnerMixin._get_kv_connector_output(so) as out:
+                with (
+                    set_forward_context(None, self.vc),
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(so) as out,
+                ):
                     for li, name in enumerate(LAYERS):
                         self.connector.wait_for_layer_load(name)
                         self._attention(li, name, so, starts)
@@ -190,9 +232,15 @@ class Worker:
         for rid in req_ids:
             done = starts[rid] + so.num_scheduled_tokens[rid] >= prompt_len[rid]
             sampled.append([EOS if rid in eos_for else 7] if done else [])
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
-                                 pooler_output=None, kv_connector_output=kv_out)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kv_out,
+        )
 
     def _attention(self, li: int, name: str, so, starts: dict[str, int]) -> None:
         kv = self.kv_caches[name]  # [num_blocks, H, N, C] logical
@@ -207,16 +255,28 @@ class Worker:
 # engine: schedule -> execute -> update_from_output, like EngineCore.step
 # ------------------------------------------------------------------------------------------------------------
 class Engine:
-    def __init__(self, ktc: KVTransferConfig | None, *, num_blocks: int = 64, max_batched: int = 64,
-                 block: int = 16, worker_connector: bool = True, layout: str = "LBHNC",
-                 setup: Callable[[VllmConfig], None] | None = None):
+    def __init__(
+        self,
+        ktc: KVTransferConfig | None,
+        *,
+        num_blocks: int = 64,
+        max_batched: int = 64,
+        block: int = 16,
+        worker_connector: bool = True,
+        layout: str = "LBHNC",
+        setup: Callable[[VllmConfig], None] | None = None,
+    ):
         self.vc = make_vllm_config(ktc, max_batched=max_batched, block=block, layout=layout)
         self.kvc = make_kv_cache_config(self.vc, num_blocks)
         if setup is not None:
             setup(self.vc)
-        self.sched = Scheduler(vllm_config=self.vc, kv_cache_config=self.kvc,
-                               structured_output_manager=StructuredOutputManager(self.vc), block_size=block,
-                               log_stats=True)
+        self.sched = Scheduler(
+            vllm_config=self.vc,
+            kv_cache_config=self.kvc,
+            structured_output_manager=StructuredOutputManager(self.vc),
+            block_size=block,
+            log_stats=True,
+        )
         self.worker = Worker(self.vc, self.kvc, layout=layout, connector=worker_connector and ktc is not None)
         self.prompt_len: dict[str, int] = {}
         self.prompts: dict[str, list[int]] = {}
@@ -230,8 +290,7 @@ class Engine:
     @property
     def kvxfer(self) -> KVXferConnector:
         c = self.sched.connector
-        return c if isinstance(c, KVXferConnector) else next(x for x in c._connectors
-                                                            if isinstance(x, KVXferConnector))
+        return c if isinstance(c, KVXferConnector) else next(x for x in c._connectors if isinstance(x, KVXferConnector))
 
     def add(self, req: Request) -> None:
         self.prompt_len[req.request_id] = req.num_prompt_tokens
@@ -265,13 +324,19 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.sched.requests) or self.sched.has_requests()
 
-    def run(self, timeout: float = 30.0, until: Callable[["Engine"], bool] | None = None,
-            on_step: Callable[["Engine"], None] | None = None) -> float:
+    def run(
+        self,
+        timeout: float = 30.0,
+        until: Callable[[Engine], bool] | None = None,
+        on_step: Callable[[Engine], None] | None = None,
+    ) -> float:
         t0 = time.monotonic()
         while (until(self) is False) if until is not None else self.busy():
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"engine still busy after {timeout}s: requests={list(self.sched.requests)} "
-                                     f"connector={self.kvxfer.pending()} worker={self.worker.kvxfer.pending()}")
+                raise AssertionError(
+                    f"engine still busy after {timeout}s: requests={list(self.sched.requests)} "
+                    f"connector={self.kvxfer.pending()} worker={self.worker.kvxfer.pending()}"
+                )
             if on_step is not None:
                 on_step(self)
             self.step()
@@ -323,6 +388,7 @@ def nixl_alias() -> bool:
         return True
     try:
         import importlib
+
         pkg = importlib.import_module("nixl_cu13")
         api = importlib.import_module("nixl_cu13._api")
     except ImportError:
@@ -340,15 +406,17 @@ def init_single_process_world(vc: VllmConfig) -> None:
     global _dist_ready
     if _dist_ready:
         return
+    import socket
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+        )
         ensure_model_parallel_initialized(1, 1)
     _dist_ready = True

@@ -34,5 +34,15 @@ from .scheduler import KVXferScheduler
 from .settings import PARAMS_KEY, Claim, Settings, parse_claim
 from .worker import KVXferWorker
 
-__all__ = ["PARAMS_KEY", "Claim", "KVXferConnector", "KVXferConnectorMetadata", "KVXferScheduler",
-           "KVXferWorker", "KVXferWorkerMetadata", "Settings", "ShipOrder", "parse_claim"]
+__all__ = [
+    "PARAMS_KEY",
+    "Claim",
+    "KVXferConnector",
+    "KVXferConnectorMetadata",
+    "KVXferScheduler",
+    "KVXferWorker",
+    "KVXferWorkerMetadata",
+    "Settings",
+    "ShipOrder",
+    "parse_claim",
+]

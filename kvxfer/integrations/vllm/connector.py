@@ -21,7 +21,6 @@ from .worker import KVXferWorker
 
 if TYPE_CHECKING:
     import torch
-
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -34,8 +33,7 @@ if TYPE_CHECKING:
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     """kvxfer producer connector for vLLM V1 (``kv_role="kv_producer"``)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         if ktc.kv_role not in ("kv_producer", "kv_both"):
@@ -44,12 +42,16 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         pc = vllm_config.parallel_config
         ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
         if ranks != 1:
-            raise ValueError("KVXferConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                             f"(got {pc.tensor_parallel_size} x {pc.pipeline_parallel_size})")
+            raise ValueError(
+                "KVXferConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                f"(got {pc.tensor_parallel_size} x {pc.pipeline_parallel_size})"
+            )
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
-            raise ValueError(f"KVXferConnector ships one KV-cache group; this model has {len(groups)} "
-                             "(hybrid attention): not supported yet")
+            raise ValueError(
+                f"KVXferConnector ships one KV-cache group; this model has {len(groups)} "
+                "(hybrid attention): not supported yet"
+            )
         spec = groups[0].kv_cache_spec if groups else None
         self.block_size = int(getattr(spec, "block_size", 0) or vllm_config.cache_config.block_size)
         self.connector_scheduler: KVXferScheduler | None = None
@@ -61,43 +63,44 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- class-level hooks -------------------------------------------------------------------------------
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # any layout: kvxfer reads the geometry off the tensors' strides
 
     @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         return True  # unregister_kv_caches / restore_kv_caches follow the remap
 
     # ---- scheduler side ----------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         assert self.connector_scheduler is not None
         self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXferConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.connector_scheduler is not None
         self.connector_scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: "Request",
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
 
     # ---- worker side -------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         assert self.connector_worker is not None
         self.connector_worker.register_kv_caches(kv_caches)
 
@@ -120,13 +123,13 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
             assert self.connector_worker is not None
             self.connector_worker.bind_connector_metadata(connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         pass  # a producer loads nothing
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole requests are shipped after the forward pass, from the registered cache itself
 
     def wait_for_save(self) -> None:

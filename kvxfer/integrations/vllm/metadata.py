@@ -12,13 +12,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class ShipOrder:
     """Ship these blocks of one request to one consumer (the whole prompt is computed)."""
 
-    req_id: str          # vLLM's request id
-    transfer_id: str     # the id the consumer sees (router-chosen, default: vLLM's)
+    req_id: str  # vLLM's request id
+    transfer_id: str  # the id the consumer sees (router-chosen, default: vLLM's)
     consumer: str
     block_ids: list[int]
-    num_tokens: int      # prompt tokens covered by the blocks
-    attempt: int         # 1 (the field fences a late report against a future re-ship policy)
-    deadline: float      # seconds from the order
+    num_tokens: int  # prompt tokens covered by the blocks
+    attempt: int  # 1 (the field fences a late report against a future re-ship policy)
+    deadline: float  # seconds from the order
     digests: bool
     meta: dict
 

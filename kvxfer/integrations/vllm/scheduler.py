@@ -24,8 +24,8 @@ class _Tracked:
     claim: Claim
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
-    attempt: int = 0                  # ship orders issued so far (0 or 1)
-    inflight: bool = False            # ordered, end not heard from the worker yet
+    attempt: int = 0  # ship orders issued so far (0 or 1)
+    inflight: bool = False  # ordered, end not heard from the worker yet
     outcome: tuple[str, str | None] | None = None  # (status, error) of the attempt once it ended
     num_blocks: int = 0
 
@@ -37,14 +37,14 @@ class KVXferScheduler:
         self.settings = settings
         self.block_size = block_size
         self._tracked: dict[str, _Tracked] = {}
-        self._delayed: set[str] = set()             # to tell the worker in the next metadata
+        self._delayed: set[str] = set()  # to tell the worker in the next metadata
         self._cancel_next: dict[str, tuple[int, str]] = {}
-        self._awaiting: set[str] = set()            # delayed, finished_sending not seen yet
+        self._awaiting: set[str] = set()  # delayed, finished_sending not seen yet
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False  # a producer never loads; called repeatedly, so no side effects
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         rid = request.request_id
         st = self._tracked.get(rid)
         if st is None:
@@ -64,7 +64,7 @@ class KVXferScheduler:
         ids = blocks.get_block_ids()
         st.block_ids = list(ids[0]) if ids else []  # first allocation or resume: the whole table
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVXferConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed)
         self._cancel_next, self._delayed = {}, set()
         if not self._tracked:
@@ -97,26 +97,38 @@ class KVXferScheduler:
             self._maybe_order(meta, rid, st, cached.num_computed_tokens[i], nst.get(rid, 0))
         return meta
 
-    def _maybe_order(self, meta: KVXferConnectorMetadata, rid: str, st: _Tracked, computed: int,
-                     scheduled: int) -> None:
+    def _maybe_order(
+        self, meta: KVXferConnectorMetadata, rid: str, st: _Tracked, computed: int, scheduled: int
+    ) -> None:
         if st.claim.error or st.attempt:
             return  # malformed claim, or already ordered (one attempt per request)
         if computed + scheduled < st.prompt_len:
             return  # a chunk of the prompt; the rest comes in later steps
         if len(st.block_ids) < st.num_blocks:
-            st.claim.error = (f"internal: {len(st.block_ids)} blocks tracked for a {st.prompt_len}-token prompt "
-                              f"({st.num_blocks} needed)")
+            st.claim.error = (
+                f"internal: {len(st.block_ids)} blocks tracked for a {st.prompt_len}-token prompt "
+                f"({st.num_blocks} needed)"
+            )
             log.error("kvxfer: request %s: %s", rid, st.claim.error)
             return
         c = st.claim
         st.attempt += 1
         st.inflight = True
-        meta.ship.append(ShipOrder(
-            req_id=rid, transfer_id=c.transfer_id, consumer=c.consumer, block_ids=st.block_ids[:st.num_blocks],
-            num_tokens=st.prompt_len, attempt=st.attempt, deadline=c.deadline, digests=c.digests,
-            meta={**c.meta, "num_tokens": st.prompt_len, "block_size": self.block_size, "vllm_request_id": rid}))
+        meta.ship.append(
+            ShipOrder(
+                req_id=rid,
+                transfer_id=c.transfer_id,
+                consumer=c.consumer,
+                block_ids=st.block_ids[: st.num_blocks],
+                num_tokens=st.prompt_len,
+                attempt=st.attempt,
+                deadline=c.deadline,
+                digests=c.digests,
+                meta={**c.meta, "num_tokens": st.prompt_len, "block_size": self.block_size, "vllm_request_id": rid},
+            )
+        )
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_sending or ():
             self._awaiting.discard(rid)
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -126,14 +138,20 @@ class KVXferScheduler:
                 if st is not None and st.attempt == attempt and st.inflight:
                     st.inflight, st.outcome = False, (status, error)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         st = self._tracked.pop(rid, None)
         if st is None:
             return False, None
         c = st.claim
-        info: dict[str, Any] = {"request_id": c.transfer_id, "consumer": c.consumer, "num_tokens": st.prompt_len,
-                                "num_blocks": st.num_blocks, "block_size": self.block_size, "digests": c.digests}
+        info: dict[str, Any] = {
+            "request_id": c.transfer_id,
+            "consumer": c.consumer,
+            "num_tokens": st.prompt_len,
+            "num_blocks": st.num_blocks,
+            "block_size": self.block_size,
+            "digests": c.digests,
+        }
         if st.inflight:
             # The transfer may still read these blocks: vLLM holds them until the worker reports the request
             # in finished_sending (on success, failure, cancel or deadline; never later than the deadline).
@@ -150,8 +168,10 @@ class KVXferScheduler:
             if st.outcome[1]:
                 info["error"] = st.outcome[1]
         else:
-            info.update(status="not_sent", error=f"request finished ({request.status.name.lower()}) before its "
-                                                  "prompt was computed")
+            info.update(
+                status="not_sent",
+                error=f"request finished ({request.status.name.lower()}) before its prompt was computed",
+            )
         return False, {PARAMS_KEY: info}
 
     def has_pending_push_work(self) -> bool:

@@ -22,27 +22,39 @@ PARAMS_KEY = "kvxfer"
 class Settings:
     """``kv_connector_extra_config`` of this connector (the child's own one under MultiConnector)."""
 
-    transport: str = "auto"           # "tcp", "nixl" or "auto"; the consumer must use the same one
-    deadline: float = 30.0            # seconds from the ship order to the end of the transfer, retries included
-    auth: str = ""                    # shared token the consumer expects (or name an env var with auth_env)
-    digests: bool = False             # per-block CRCs checked by the consumer (host memory; tests, debugging)
-    retry_busy: bool = True           # a Busy consumer is asked again after its retry_after, until the deadline
-    connect_timeout: float = 5.0      # cap on connecting + handshaking with a new consumer
+    transport: str = "auto"  # "tcp", "nixl" or "auto"; the consumer must use the same one
+    deadline: float = 30.0  # seconds from the ship order to the end of the transfer, retries included
+    auth: str = ""  # shared token the consumer expects (or name an env var with auth_env)
+    digests: bool = False  # per-block CRCs checked by the consumer (host memory; tests, debugging)
+    retry_busy: bool = True  # a Busy consumer is asked again after its retry_after, until the deadline
+    connect_timeout: float = 5.0  # cap on connecting + handshaking with a new consumer
     allowed_consumers: tuple[str, ...] | None = None  # "host:port" or "host"; None: any consumer
     transport_options: dict = field(default_factory=dict)
-    ship_threads: int = 4             # threads that start shipments (CUDA event, connecting); none waits on one
-    producer_workers: int = 8         # kvxfer Producer data-mover threads
+    ship_threads: int = 4  # threads that start shipments (CUDA event, connecting); none waits on one
+    producer_workers: int = 8  # kvxfer Producer data-mover threads
 
-    KEYS = ("transport", "deadline", "auth", "auth_env", "digests", "retry_busy", "connect_timeout",
-            "allowed_consumers", "transport_options", "ship_threads", "producer_workers")
+    KEYS = (
+        "transport",
+        "deadline",
+        "auth",
+        "auth_env",
+        "digests",
+        "retry_busy",
+        "connect_timeout",
+        "allowed_consumers",
+        "transport_options",
+        "ship_threads",
+        "producer_workers",
+    )
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "Settings":
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(cls.KEYS))
         if unknown:
-            log.warning("kvxfer: ignoring unknown kv_connector_extra_config keys %s (known: %s)",
-                        unknown, ", ".join(cls.KEYS))
+            log.warning(
+                "kvxfer: ignoring unknown kv_connector_extra_config keys %s (known: %s)", unknown, ", ".join(cls.KEYS)
+            )
         auth = str(extra.get("auth", ""))
         if extra.get("auth_env"):
             auth = os.environ.get(str(extra["auth_env"]), auth)
@@ -51,13 +63,18 @@ class Settings:
             if isinstance(allowed, str) or not all(isinstance(a, str) for a in allowed):
                 raise ValueError("kvxfer: allowed_consumers must be a list of 'host:port' or 'host' strings")
             allowed = tuple(allowed)
-        s = cls(transport=str(extra.get("transport", "auto")), deadline=float(extra.get("deadline", 30.0)),
-                auth=auth, digests=bool(extra.get("digests", False)),
-                retry_busy=bool(extra.get("retry_busy", True)),
-                connect_timeout=float(extra.get("connect_timeout", 5.0)), allowed_consumers=allowed,
-                transport_options=dict(extra.get("transport_options") or {}),
-                ship_threads=int(extra.get("ship_threads", cls.ship_threads)),
-                producer_workers=int(extra.get("producer_workers", 8)))
+        s = cls(
+            transport=str(extra.get("transport", "auto")),
+            deadline=float(extra.get("deadline", 30.0)),
+            auth=auth,
+            digests=bool(extra.get("digests", False)),
+            retry_busy=bool(extra.get("retry_busy", True)),
+            connect_timeout=float(extra.get("connect_timeout", 5.0)),
+            allowed_consumers=allowed,
+            transport_options=dict(extra.get("transport_options") or {}),
+            ship_threads=int(extra.get("ship_threads", cls.ship_threads)),
+            producer_workers=int(extra.get("producer_workers", 8)),
+        )
         if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1:
             raise ValueError("kvxfer: deadline, connect_timeout, ship_threads and producer_workers must be > 0")
         return s
@@ -66,8 +83,11 @@ class Settings:
         if self.allowed_consumers is None:
             return True
         host, port = parse_address(address)
-        return address in self.allowed_consumers or host in self.allowed_consumers \
+        return (
+            address in self.allowed_consumers
+            or host in self.allowed_consumers
             or f"{host}:{port}" in self.allowed_consumers
+        )
 
 
 @dataclass
@@ -96,7 +116,7 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
             raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) is required')
         try:
             parse_address(consumer)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the router's mistake
+        except Exception as e:  # any parse failure is the router's mistake
             raise ValueError(f"bad consumer address {consumer!r}: {e}") from None
         if not settings.consumer_allowed(consumer):
             raise ValueError(f"consumer {consumer!r} is not in allowed_consumers")

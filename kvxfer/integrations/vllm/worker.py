@@ -14,7 +14,8 @@ import functools
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +28,6 @@ from .settings import Settings, log
 
 if TYPE_CHECKING:
     import torch
-
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 QUEUED, LAUNCHING, SHIPPING = "queued", "launching", "shipping"
@@ -45,7 +45,7 @@ class _Shipment:
         self.transfer: Transfer | None = None
         self.cancel_reason: str | None = None
         self.error: str | None = None
-        self.forget = False   # the request finished without holding its blocks: drop it once ended
+        self.forget = False  # the request finished without holding its blocks: drop it once ended
         self.lock = threading.Lock()
 
     @property
@@ -64,8 +64,7 @@ class _Launchers:
         self._fn = fn
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._loop, daemon=True, name=f"kvxfer-launch-{i}")
-                         for i in range(n)]
+        self._threads = [threading.Thread(target=self._loop, daemon=True, name=f"kvxfer-launch-{i}") for i in range(n)]
         for t in self._threads:
             t.start()
 
@@ -83,30 +82,30 @@ class _Launchers:
         while (item := self._items.get()) is not None:
             try:
                 self._fn(*item)
-            except Exception:  # noqa: BLE001 - a launcher must survive anything
+            except Exception:  # a launcher must survive anything
                 log.exception("kvxfer launcher")
 
 
 class KVXferWorker:
     """Worker-side state and hooks."""
 
-    def __init__(self, settings: Settings, kv_cache_config: "KVCacheConfig | None"):
+    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig | None):
         self.settings = settings
         self._kv_cache_config = kv_cache_config
         self._lock = threading.Lock()
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.producer: Producer | None = None
         self.layout: KVLayout | None = None
-        self.ratio = 1                              # kernel blocks per scheduler block
+        self.ratio = 1  # kernel blocks per scheduler block
         self._shipments: dict[str, _Shipment] = {}
         self._queued: list[_Shipment] = []
-        self._delayed: set[str] = set()             # vLLM holds their blocks; not finished in vLLM yet
-        self._awaiting: set[str] = set()            # finished and held: reported once their shipment ended
+        self._delayed: set[str] = set()  # vLLM holds their blocks; not finished in vLLM yet
+        self._awaiting: set[str] = set()  # finished and held: reported once their shipment ended
         self._ended: dict[str, tuple[int, str, str | None]] = {}
         self._launchers = _Launchers(settings.ship_threads, self._launch)
 
     # ---- registration ------------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._open_producer()
 
@@ -126,13 +125,24 @@ class KVXferWorker:
                 raise ValueError(f"kvxfer: {layout.num_blocks} kernel blocks do not split {sched_blocks} blocks")
             ratio = layout.num_blocks // sched_blocks
         s = self.settings
-        producer = Producer(layout, transport=s.transport, auth=s.auth, deadline=s.deadline,
-                            connect_timeout=s.connect_timeout, transport_options=s.transport_options,
-                            workers=s.producer_workers)
+        producer = Producer(
+            layout,
+            transport=s.transport,
+            auth=s.auth,
+            deadline=s.deadline,
+            connect_timeout=s.connect_timeout,
+            transport_options=s.transport_options,
+            workers=s.producer_workers,
+        )
         with self._lock:
             self.layout, self.ratio, self.producer = layout, ratio, producer
-        log.info("kvxfer: registered %d KV tensors as %r (transport %s, %d kernel block(s) per block)",
-                 len(tensors), layout, producer.transport_name, ratio)
+        log.info(
+            "kvxfer: registered %d KV tensors as %r (transport %s, %d kernel block(s) per block)",
+            len(tensors),
+            layout,
+            producer.transport_name,
+            ratio,
+        )
 
     def unregister_kv_caches(self) -> None:
         """Sleep mode: the KV memory goes away; stop every shipment and drop the registration."""
@@ -172,8 +182,11 @@ class KVXferWorker:
 
     def _apply_cancels(self, meta: KVXferConnectorMetadata) -> None:
         with self._lock:
-            hit = [(sh, reason) for rid, (attempt, reason) in meta.cancel.items()
-                   if (sh := self._shipments.get(rid)) is not None and sh.order.attempt == attempt]
+            hit = [
+                (sh, reason)
+                for rid, (attempt, reason) in meta.cancel.items()
+                if (sh := self._shipments.get(rid)) is not None and sh.order.attempt == attempt
+            ]
         for sh, reason in hit:
             self._cancel(sh, reason)
 
@@ -200,6 +213,7 @@ class KVXferWorker:
         event = None
         if self.layout is not None and self.layout.device >= 0:
             import torch
+
             event = torch.cuda.Event()
             event.record()  # the launcher waits for the forward pass's KV writes on the GPU stream
         groups: dict[str, list[_Shipment]] = {}
@@ -220,7 +234,7 @@ class KVXferWorker:
         try:
             if event is not None:
                 event.synchronize()
-        except Exception as e:  # noqa: BLE001 - every shipment must still be reported
+        except Exception as e:  # every shipment must still be reported
             for sh in group:
                 self._end_with(sh, e, if_queued=True)
             return
@@ -240,9 +254,16 @@ class KVXferWorker:
             remaining = sh.end_by - time.monotonic()
             if remaining <= 0:
                 raise _unpushed(o)
-            t = producer.push(o.consumer, o.transfer_id, self._kernel_ids(o.block_ids), meta=o.meta,
-                              deadline=remaining, digests=o.digests, retry_busy=self.settings.retry_busy)
-        except Exception as e:  # noqa: BLE001 - whatever happens, the request must be reported
+            t = producer.push(
+                o.consumer,
+                o.transfer_id,
+                self._kernel_ids(o.block_ids),
+                meta=o.meta,
+                deadline=remaining,
+                digests=o.digests,
+                retry_busy=self.settings.retry_busy,
+            )
+        except Exception as e:  # whatever happens, the request must be reported
             self._end_with(sh, e)
             return
         with sh.lock:
@@ -282,13 +303,26 @@ class KVXferWorker:
         dt = time.monotonic() - sh.t0
         if status == "done":
             t = sh.transfer
-            log.debug("kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
-                      o.req_id, len(o.block_ids), t.nbytes if t else 0, o.consumer, o.transfer_id, dt)
+            log.debug(
+                "kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
+                o.req_id,
+                len(o.block_ids),
+                t.nbytes if t else 0,
+                o.consumer,
+                o.transfer_id,
+                dt,
+            )
         elif status == "cancelled":
             log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, o.consumer, dt, error)
         else:
-            log.warning("kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s", o.req_id,
-                        o.consumer, o.transfer_id, dt, error)
+            log.warning(
+                "kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s",
+                o.req_id,
+                o.consumer,
+                o.transfer_id,
+                dt,
+                error,
+            )
         with self._lock:
             self._ended[o.req_id] = (o.attempt, status, error)
 

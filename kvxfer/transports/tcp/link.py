@@ -56,7 +56,7 @@ def _wait_readable(sock: socket.socket, check: Callable[[], None]) -> None:
             check()
 
 
-class TcpLink(Link):
+class TcpLink(Link["TcpTransport"]):
     def __init__(self, transport: TcpTransport, peer: Peer):
         self.t = transport
         self.peer = peer

@@ -21,7 +21,7 @@ WATCH = 0.05  # how often the watchdog looks at the transfers moving on blocking
 class Watchdog:
     """Calls each watched ``check`` every ``WATCH`` seconds; the first reason it raises shuts the socket down."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._items: dict[int, tuple[socket.socket, Callable[[], None]]] = {}
         self._why: dict[int, BaseException] = {}
         self._ids = itertools.count()
