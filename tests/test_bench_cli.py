@@ -107,6 +107,21 @@ def test_cli_latency_mode(tmp_path):
     assert r["verified"] and r["baseline_p50_ms"] > 0
 
 
+def test_cli_tls_rows_beside_plain_tcp(tmp_path):
+    proc, rows = run_cli(tmp_path, "--transport", "tcp,tcp+tls", "--mode", "push,pull")
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["transport"], r["mode"]) for r in rows] == [
+        ("tcp", "push"),
+        ("tcp", "pull"),
+        ("tcp+tls", "push"),
+        ("tcp+tls", "pull"),
+    ]
+    assert all(r["verified"] and r["error"] is None and r["baseline"] == "socket" for r in rows)
+    with pytest.raises(SystemExit) as e:  # TLS covers tcp only
+        cli.main(["--transport", "nixl+tls", "--quiet"])
+    assert e.value.code == 2
+
+
 def test_cli_usage_errors():
     with pytest.raises(SystemExit) as e:
         cli.main(["--transport", "no-such-transport", "--quiet"])

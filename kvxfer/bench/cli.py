@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv(str),
         default=["tcp"],
         metavar="NAME[,NAME...]",
-        help="tcp, nixl, auto, or all (every transport kvxfer.transports.available() lists); default: tcp",
+        help="tcp, nixl, auto, or all (every transport kvxfer.transports.available() lists), and tcp+tls (the tcp "
+        "transport with TLS on every connection, to measure its cost); default: tcp",
     )
     r.add_argument(
         "--mode",
@@ -205,15 +206,20 @@ def resolve_transports(names: list[str]) -> list[str]:
     Named transports are probed one by one, so a plain ``tcp`` run never imports NIXL (seconds to load).
     """
     from .. import transports
+    from . import certs
     from .consumer import usable
 
     out = []
     for n in names:
-        for m in transports.available() if n == "all" else [transports.resolve(n)]:
+        base, with_tls = certs.split(n)
+        for m in transports.available() if n == "all" else [transports.resolve(base) + (certs.TLS_SUFFIX * with_tls)]:
             if m not in out:
                 out.append(m)
     for m in out:
-        why = usable(m)
+        base, with_tls = certs.split(m)
+        if with_tls and base != "tcp":
+            raise ValueError(f"{m!r}: TLS covers the tcp transport only (NIXL data never leaves the fabric)")
+        why = usable(base)
         if why:
             raise ValueError(why)
     return out

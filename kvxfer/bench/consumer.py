@@ -18,12 +18,12 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from .. import transports
+from .. import tls, transports
 from ..consumer import Consumer
 from ..layout import KVLayout
 from ..transfer import Arrival
 from ..wire import ids_from_bytes
-from . import baselines, content, models
+from . import baselines, certs, content, models
 from .control import Control
 from .patterns import PatternAllocator
 
@@ -114,7 +114,7 @@ class ConsumerHalf:
             "pid": os.getpid(),
             "boot_id": boot_id(),
             "python": sys.version.split()[0],
-            "missing": {n: why for n in transports if (why := usable(n))},
+            "missing": {n: why for n in transports if (why := usable(certs.split(n)[0]))},
             "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False,
         }
 
@@ -130,9 +130,16 @@ class ConsumerHalf:
         self.alloc = PatternAllocator(dst_blocks, seed=seed + 1)
         return {"layout": msgspec.to_builtins(self.layout.desc())}
 
-    def op_open(self, transport: str, options: dict, deadline: float) -> dict:
+    def op_open(
+        self, transport: str, options: dict, deadline: float, cert: str | None = None, key: str | None = None
+    ) -> dict:
+        """A Consumer over the set-up cache; with ``cert`` / ``key`` (PEM) its connections are TLS."""
         self.op_close()
         listen = f"{self.host}:0" if ":" not in self.host else f"[{self.host}]:0"
+        server = None
+        if cert is not None:
+            with certs.files(cert, key) as d:
+                server = tls.server_context(f"{d}/cert.pem", f"{d}/key.pem")
         self.consumer = Consumer(
             _made(self.layout, "layout (setup)"),
             transport=transport,
@@ -141,6 +148,7 @@ class ConsumerHalf:
             transport_options=options,
             deadline=deadline,
             max_inflight=4096,
+            tls=server,
         )
         self.arrived = {}
         return {"address": self.consumer.address, "transport": self.consumer.transport_name}

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from .. import wire
+from .. import tls, wire
 from ..errors import KVXferError
 from ..layout import KVLayout
 from ..plan import make_plan, pair
 from ..producer import Producer
-from . import baselines, content, models
+from . import baselines, certs, content, models
 from .consumer import boot_id
 from .control import Control, ControlError
 from .patterns import pick, pick_at, spread
@@ -214,15 +214,23 @@ class Driver:
 
     def run_transport(self, name: str, contiguous: np.ndarray, cap: int) -> None:
         s = self.s
-        opts = {"streams": s.tcp_streams} if name == "tcp" else {}
-        opened = self.ctl.call("open", transport=name, options=opts, deadline=s.deadline)
+        base, with_tls = certs.split(name)
+        opts = {"streams": s.tcp_streams} if base == "tcp" else {}
+        cert_pem, key_pem = certs.self_signed() if with_tls else (None, None)
+        opened = self.ctl.call("open", transport=base, options=opts, deadline=s.deadline, cert=cert_pem, key=key_pem)
         address = self._address(opened["address"])
-        producer = Producer(self.layout, transport=name, deadline=s.deadline, lease=s.deadline, transport_options=opts)
+        client = None
+        if cert_pem is not None:
+            with certs.files(cert_pem) as d:
+                client = tls.client_context(f"{d}/cert.pem", check_hostname=False)
+        producer = Producer(
+            self.layout, transport=base, deadline=s.deadline, lease=s.deadline, transport_options=opts, tls=client
+        )
         ref: _SocketRef | _NixlRef | None = None
         ref_error = ""
         try:
             try:
-                if name == "tcp":
+                if base == "tcp":  # tcp+tls too: its ratio is the cost of TLS over a plain socket
                     ref = _SocketRef(self, cap, contiguous)
                 elif name == "nixl":
                     if not (self.hello.get("nixl_raw") and baselines.nixl_importable()):
