@@ -106,7 +106,7 @@ def test_a_refused_admission_fails_after_its_admit_timeout(endpoint, sender):
     address = info(url)["kvxfer"]
     sender.call("hold")  # the first push is admitted and then moves nothing: the endpoint is full
     sender.push(address, "first", [1], meta={"num_tokens": 100}, wait=False)
-    sender.push(address, "refused", [2], meta={"num_tokens": 100}, wait=False, retry=True)  # Busy, again and again
+    sender.push(address, "refused", [2], meta={"num_tokens": 100}, wait=False, retry_busy=True)  # Busy, again and again
     start = time.monotonic()
     r = generate(url, "refused", AUTH, timeout=30, admit_timeout=0.5)
     assert r.status_code == 504, r.text
