@@ -180,3 +180,88 @@ def test_part_re_admission_supersedes_the_request():
     old, _ = g.admit(1, "r", 2, 10, 0, senders=2, part=0, layers=[0, 1])
     new, superseded = g.admit(3, "r", 2, 10, 0, senders=2, part=0, layers=[0, 1])
     assert superseded == [old] and new is not old and isinstance(old.error, StaleError)
+
+
+# ---- the slot's explicit state and the rules that are ledger operations ------------------------------------
+def test_slot_states_follow_the_transition_table():
+    from kvxfer import ProtocolError
+    from kvxfer.ledger import State
+
+    g = _grants()
+    slot, _ = g.admit(1, "r", 2, 10, 0)
+    assert slot.state is State.GRANTED
+    g.begin_receive(slot)
+    assert slot.state is State.RECEIVING
+    g.begin_receive(slot)  # a second window of the same request
+    assert g.end_receive(slot, 10, now=1) is None and slot.state is State.RECEIVING
+    assert g.end_receive(slot, 10, now=1) is None and slot.state is State.GRANTED
+    assert g.done(1, "r", slot.gen, 20, {}, b"") is slot and slot.state is State.HANDED
+    with pytest.raises(ProtocolError):  # a handed slot cannot start receiving again
+        slot.to(State.RECEIVING)
+    assert slot.state is State.HANDED  # an illegal transition changes nothing
+    assert g.release("r") and slot.state is State.FREED
+    with pytest.raises(ProtocolError):
+        slot.to(State.GRANTED)
+
+
+def test_done_while_receiving_waits_for_the_last_byte():
+    g = _grants()
+    slot, _ = g.admit(1, "r", 2, 10, 0)
+    g.begin_receive(slot)
+    assert g.done(1, "r", slot.gen, 20, {"k": 1}, b"") is None  # bytes still landing: not handed yet
+    assert g.end_receive(slot, 20, now=1) is slot and slot.meta == {"k": 1}
+
+
+def test_cancel_matches_only_the_sessions_own_generations():
+    g = _grants()
+    slot, _ = g.admit(1, "r", 2, 10, 0)
+    assert g.cancel(2, "r", slot.gen, CancelledError("x"), now=1) is None  # another session
+    assert g.cancel(1, "r", slot.gen + 99, CancelledError("x"), now=1) is None  # a generation it never had
+    assert g.get("r") is slot
+    assert g.cancel(1, "r", 0, CancelledError("x"), now=1) is slot  # gen 0: before the grant reached it
+    assert g.phase("r") == "failed" and g.allocator.num_free == 16
+
+
+def test_a_pull_is_cancelled_by_its_session_whatever_lease_it_names():
+    g = _grants()
+    slot = g.admit_pull(3, "p", 2, 10, 0, lease_gen=77)
+    assert slot.members() == [(3, 77)]
+    with pytest.raises(StaleError):  # nobody may write into blocks a pull reads into
+        g.check_write(3, "p", slot.gen, slot.ids)
+    assert g.cancel(3, "p", 5, CancelledError("x"), now=1) is slot
+
+
+def test_revoke_takes_back_a_handed_slot_and_frees_it():
+    g = _grants()
+    slot, _ = g.admit(1, "r", 2, 10, 0)
+    g.landed(1, "r", slot.gen, 20)
+    assert g.done(1, "r", slot.gen, 20, {}, b"") is slot and g.phase("r") == "ready"
+    assert g.revoke(slot, CancelledError("digests differ"), now=1)
+    assert not g.revoke(slot, CancelledError("again"), now=1)
+    assert g.phase("r") == "failed" and g.allocator.num_free == 16 and not g.release("r")
+
+
+def test_meta_of_parts_merges_with_part_zero_winning_in_either_order():
+    g = _multi()
+    g.admit(2, "r", 1, 10, 0, senders=2, part=1, layers=[2, 3], meta={"first_token": 9, "rank": 1})
+    slot, _ = g.admit(1, "r", 1, 10, 0, senders=2, part=0, layers=[0, 1], meta={"first_token": 3})
+    assert slot.meta == {"first_token": 3, "rank": 1}
+
+
+def test_one_producer_cannot_take_every_grant():
+    g = _grants(max_inflight_per_peer=2)
+    g.admit(1, "a", 1, 10, 0)
+    g.admit(1, "b", 1, 10, 0)
+    with pytest.raises(BusyError):
+        g.admit(1, "c", 1, 10, 0)
+    g.admit(2, "d", 1, 10, 0)  # another session still gets room
+
+
+def test_a_failed_pull_keeps_its_blocks_until_the_reader_stops():
+    g = _grants()
+    slot = g.admit_pull(1, "p", 4, 10, 0, lease_gen=5)
+    g.begin_receive(slot)
+    g.fail("p", CancelledError("producer cancelled"), now=1)
+    assert g.allocator.num_free == 12  # the reader may still land bytes
+    g.end_receive(slot, 0, now=1)
+    assert g.allocator.num_free == 16
