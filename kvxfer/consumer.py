@@ -39,7 +39,7 @@ from .errors import (
 )
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
-from .lifecycle import HandleBase, ms
+from .lifecycle import REAP_INTERVAL, HandleBase, ms
 from .plan import check_ids
 from .sockets import close
 from .transfer import Arrival
@@ -310,12 +310,14 @@ class Consumer(HandleBase):
         ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key))
         return s
 
-    def _session_lost(self, s: _ConsumerSession, error: KVXferError) -> None:
+    def _session_lost(self, s: _ConsumerSession, error: KVXferError, gone: bool = True) -> None:
         with self._lock:
             s.alive = False
             self._sessions.pop(s.sid, None)
             pulls = list(s.pulls.values())
-        lost = self.grants.peer_lost(s.sid, PeerError(f"producer {s.remote_id} lost: {error}"), time.monotonic())
+        lost = self.grants.peer_lost(
+            s.sid, PeerError(f"producer {s.remote_id} lost: {error}"), time.monotonic(), gone=gone
+        )
         self._count("failed", len(lost))
         for _, ev in pulls:
             ev.set()
@@ -559,8 +561,15 @@ class Consumer(HandleBase):
             sessions = list(self._sessions.values())
         for s in sessions:
             s.ch.close()
-            self._session_lost(s, ClosedError("consumer closed"))
+            self._session_lost(s, ClosedError("consumer closed"), gone=False)
+        # a live producer may still post a one-sided write into a grant it holds: its blocks go back only after
+        # the quarantine (the reaper's job, done here once more before the handle is gone)
+        end = self.grants.held_until()
+        while self.grants.counts()["dying"] and time.monotonic() < end:
+            time.sleep(REAP_INTERVAL)
+            self.grants.reap(time.monotonic())
         self._close_common()
+        self.grants.reap(time.monotonic())
 
 
 def _tell(ch: Channel, msg) -> None:

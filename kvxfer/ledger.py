@@ -436,17 +436,25 @@ class Grants:
         return True
 
     @_locked
-    def peer_lost(self, peer: int, error: KVXferError, now: float) -> list[Slot]:
-        """Every active slot of a dead session fails; nothing of it can write any more."""
+    def peer_lost(self, peer: int, error: KVXferError, now: float, *, gone: bool = True) -> list[Slot]:
+        """Every active slot of a lost session fails. ``gone``: the producer ended the session (it died or
+        closed), so nothing of it writes any more and its quarantined blocks are freed now; when this side
+        dropped the session (closing) a live producer may still post a one-sided write, so quarantines hold."""
         lost = [s for s in self.active.values() if peer in s.live_peers]
         for s in lost:
             self.fail(s.req, error, now)
-        for s in self.dying:
-            s.live_peers.discard(peer)
-            if not s.live_peers:
-                s.hold_until = min(s.hold_until, now)
+        if gone:
+            for s in self.dying:
+                s.live_peers.discard(peer)
+                if not s.live_peers:
+                    s.hold_until = min(s.hold_until, now)
         self.reap(now)
         return lost
+
+    @_locked
+    def held_until(self) -> float:
+        """When the last failed slot's quarantine ends (0 when none waits on one)."""
+        return max((s.hold_until for s in self.dying), default=0.0)
 
     @_locked
     def expired(self, now: float) -> list[Slot]:
