@@ -1,0 +1,9 @@
+"""Tools the tests and the soak run use to catch what must never happen: bad frees, writes after free,
+bytes outside a grant, untyped errors; and a producer in a child process that records how its transfers end."""
+
+from .blocks import BlockBytes, content
+from .guard import POISON, BadFree, Fault, GuardedAllocator
+from .peer import ConsumerChild, ProducerChild, Throttle, watch_untyped
+
+__all__ = ["BadFree", "BlockBytes", "ConsumerChild", "Fault", "GuardedAllocator", "POISON", "ProducerChild", "Throttle", "content",
+           "watch_untyped"]
