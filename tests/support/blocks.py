@@ -66,4 +66,4 @@ class BlockBytes:
 def content(req: str, n: int, block_bytes: int) -> np.ndarray:
     """Bytes that only request ``req`` carries: ``[n, block_bytes]`` uint8 seeded by the request id."""
     seed = int.from_bytes(req.encode()[-16:].rjust(16, b"\0"), "little") ^ len(req)
-    return np.random.default_rng(seed).integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    return np.frombuffer(np.random.default_rng(seed).bytes(n * block_bytes), dtype=np.uint8).reshape(n, block_bytes)

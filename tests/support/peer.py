@@ -73,6 +73,8 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
             raise RuntimeError(f"producer has no {n} free source blocks")
         if fill:
             blocks.write(src, content(req, n, layout.block_bytes))
+        cancel_after = kwargs.pop("cancel_after", None)
+        at = time.monotonic()
         try:
             t = getattr(producer, kind)(address, req, src, **kwargs)
         except KVXferError as e:
@@ -92,7 +94,9 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
             record(req, t, src, t.error, typed)
 
         t.add_done_callback(done)
-        return src.tolist()
+        if cancel_after is not None:
+            threading.Timer(cancel_after, t.cancel, args=("cancelled by the test",)).start()
+        return {"src": src.tolist(), "at": at}
 
     def cancel(req):
         with lock:
@@ -129,7 +133,8 @@ class ProducerChild(PipedProcess):
 
     def start(self, kind: str, address: str, req: str, n: int, fill: bool = True, **kwargs):
         """Push (``kind="push"``) or offer (``"offer"``) ``n`` blocks carrying ``content(req)`` (with ``fill``;
-        else whatever the blocks hold); the source ids."""
+        else whatever the blocks hold); ``cancel_after`` seconds cancels it. Its source ids and start time
+        (``{"src", "at"}``), or ``None`` if it failed at once."""
         return self.call("start", kind, address, req, n, kwargs, fill)
 
     def cancel(self, req: str) -> bool:
