@@ -38,11 +38,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import numpy as np  # noqa: E402
-
-from conformance.kvspec import Spec  # noqa: E402
-from procs import RemoteError  # noqa: E402
-from support import BlockBytes, GuardedAllocator, ProducerChild, Throttle, content, watch_untyped  # noqa: E402
+import numpy as np
+from conformance.kvspec import Spec
+from procs import RemoteError
+from support import (
+    BlockBytes,
+    GuardedAllocator,
+    ProducerChild,
+    Throttle,
+    content,
+    watch_untyped,
+)
 
 SPEC = Spec(kind="nhd", num_blocks=512, layers=4, heads=4, block_size=16, head_dim=64)   # 64 KiB blocks
 CONSUMER_BLOCKS = 1024

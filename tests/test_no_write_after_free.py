@@ -12,9 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from conformance.kvspec import Spec
-
 from support import ConsumerChild, GuardedAllocator, ProducerChild, Throttle
 
 SPEC = Spec(kind="nhd", num_blocks=160, layers=8, heads=8, block_size=32, head_dim=64)  # 512 KiB blocks

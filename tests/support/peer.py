@@ -254,7 +254,8 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
 
     try:
         serve(conn, consumer.address, {"wait_bytes": wait_bytes, "wait_failed": wait_failed, "get": get,
-                                       "cancel": consumer.cancel, "release": consumer.release, "settle": settle, "stats": consumer.stats})
+                                       "cancel": consumer.cancel, "release": consumer.release, "settle": settle,
+                                       "stats": consumer.stats})
     finally:
         consumer.close()
 

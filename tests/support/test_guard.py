@@ -3,17 +3,16 @@ nothing."""
 
 import numpy as np
 import pytest
-
 from conformance.kvspec import Spec
-from kvxfer import Consumer, Producer
 
-from support import BadFree, BlockBytes, GuardedAllocator, POISON, content
+from kvxfer import Consumer, Producer
+from support import POISON, BadFree, BlockBytes, GuardedAllocator, content
 
 SPEC = Spec(num_blocks=16)
 
 
 def _guard(reserved=()):
-    tensors, kw, views, raw = SPEC.build(fill=0)
+    tensors, kw, _, raw = SPEC.build(fill=0)
     layout = SPEC.layout(tensors, kw)
     return GuardedAllocator(layout, reserved=reserved), raw, layout
 
