@@ -179,6 +179,8 @@ class Soak:
 
     def restart_consumer(self) -> None:
         """Close the consumer and open a new one on a new port; the old one must give every block back."""
+        if "restart-under-load" in self.args.skip and self.args.transport == "nixl":
+            self.quiesce()
         with self.lock:
             old, t = self.consumer, time.monotonic()
             for slot in self.slots:
@@ -205,6 +207,21 @@ class Soak:
                 self.guard = GuardedAllocator(self.layout)   # the old one's figures stay counted below
                 self.guards.append(self.guard)
             self.consumer = self._new_consumer()
+
+    def quiesce(self, timeout: float = 6.0) -> None:
+        """Resume every producer and wait (at most ``timeout``) until no transfer is in flight."""
+        now = time.monotonic()
+        for s in self.slots:
+            s.unthrottle()
+            if s.stopped_until:
+                s.stopped_until = now
+        self.wake(now)
+        end = now + timeout
+        while time.monotonic() < end and any(s.live for s in self.slots if s.up):
+            for s in self.slots:
+                if s.up:
+                    self.collect(s)
+            time.sleep(0.01)
 
     # ---- producers ----------------------------------------------------------------------------------------
     def start_producer(self, slot: Slot) -> None:
@@ -508,10 +525,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--quarantine", type=float, default=2.0,
                    help="the consumer's quarantine for failed one-sided grants (kvxfer's default)")
-    p.add_argument("--skip", action="append", default=[], choices=["restart-while-stopped", "stop-past-quarantine"],
+    p.add_argument("--skip", action="append", default=[],
+                   choices=["restart-while-stopped", "stop-past-quarantine", "restart-under-load"],
                    help="leave out a fault combination that hits a known defect: restart-while-stopped resumes "
                         "stopped producers before the consumer is restarted; stop-past-quarantine keeps nixl "
-                        "producers' stops shorter than the quarantine")
+                        "producers' stops shorter than the quarantine; restart-under-load restarts a nixl "
+                        "consumer only once no transfer is in flight")
     args = p.parse_args(argv)
     fig = Soak(args).run()
     report(fig)

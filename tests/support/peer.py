@@ -255,7 +255,7 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
     try:
         serve(conn, consumer.address, {"wait_bytes": wait_bytes, "wait_failed": wait_failed, "get": get,
                                        "cancel": consumer.cancel, "release": consumer.release, "settle": settle,
-                                       "stats": consumer.stats})
+                                       "stats": consumer.stats, "close_consumer": consumer.close})
     finally:
         consumer.close()
 
@@ -283,6 +283,9 @@ class ConsumerChild(PipedProcess):
 
     def release(self, req: str) -> bool:
         return self.call("release", req)
+
+    def close_consumer(self) -> None:
+        self.call("close_consumer")
 
     def settle(self, linger: float = 0.2, timeout: float = 5.0) -> dict:
         return self.call("settle", linger, timeout)
