@@ -187,6 +187,12 @@ class Throttle:
         self._thread.start()
         return self
 
+    def freeze(self) -> None:
+        """Stop slowing down and leave the process stopped (SIGCONT it later)."""
+        self._halt.set()
+        self._thread.join()
+        self.proc.stop()
+
     def __exit__(self, *exc):
         self._halt.set()
         self._thread.join()
