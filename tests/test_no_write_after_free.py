@@ -53,23 +53,31 @@ EXPIRED = ("DeadlineError", "LeaseExpiredError", "TimeoutError")
 
 
 @pytest.mark.parametrize("ending", PULL_ENDINGS)
-def test_pull_ended_early_writes_nothing_after_free(consumer, producer, ending):
+def test_pull_ended_early_writes_nothing_after_free(consumer, producer, transport, ending):
     c, p = consumer, producer
-    with Throttle(c):
-        # the slowed pull takes over a second from its first byte: a 0.8 s lease runs out midway
-        p.start("offer", c.address, "big", N, fill=False, lease=0.8 if ending == "deadline" else 20.0)
+    with Throttle(c) as slow:
+        p.start("offer", c.address, "big", N, fill=False, lease=2.0 if ending == "deadline" else 20.0)
         ids = c.wait_bytes(N)
-        if ending == "producer_cancel":
-            assert p.cancel("big")
+        if ending == "deadline":
+            slow.stop_s = 0.3  # from its first byte the pull now takes many seconds: the lease runs out midway
+        elif ending == "producer_cancel":
+            cancelled = p.cancel("big")
         elif ending == "producer_close":
             p.close_producer()
         elif ending == "producer_killed":
             p.kill()
         landed = c.wait_failed(ids)
-    assert landed < 0.9, f"the pull had {landed:.0%} of its bytes when it ended: this run proves little"
+    # a one-sided READ may copy the rest in one system call once the stopped consumer runs: over nixl the pull
+    # can finish before it is ended, and then only the allocator checks apply
+    midway = transport == "tcp" or landed < 1.0
+    if transport == "tcp":
+        assert landed < 0.9, f"the pull had {landed:.0%} of its bytes when it ended: this run proves little"
+    if ending == "producer_cancel":
+        assert cancelled or not midway
     if ending in ("producer_cancel", "deadline"):
         r = p.wait_ended("big", 10)
-        assert r["error"] in (("CancelledError",) if ending == "producer_cancel" else EXPIRED), r
+        expected = ("CancelledError",) if ending == "producer_cancel" else EXPIRED
+        assert r["error"] in (expected if midway else expected + (None,)), r
     _assert_clean(c)
 
 
