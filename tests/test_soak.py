@@ -1,0 +1,34 @@
+"""A short soak run in CI: producers in child processes, pushes and pulls into one consumer, random SIGKILL /
+SIGSTOP / cancels on both sides / consumer restarts. Nothing untyped, nothing hung, nothing leaked, no byte
+where it must not be (scripts/soak.py prints the figures; docs/testing.md says how to run a long one)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Fault combinations left out until the defects they hit are fixed (each has a strict xfail test in
+# tests/test_no_write_after_free.py): a consumer restarted while a producer it pulls from is stopped
+# (test_consumer_close_stops_a_pull_from_a_stopped_producer), a nixl producer stopped past the quarantine
+# (test_a_stopped_producer_never_writes_a_freed_grant), a nixl consumer closed while pushes are granted
+# (test_consumer_close_never_lets_a_granted_push_land_after_free).
+
+
+@pytest.mark.timeout(150)
+def test_short_soak_has_zero_faults(transport, tmp_path):
+    out = tmp_path / "soak.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak.py"), "--duration", "20", "--producers", "3",
+                           "--requests", "200", "--transport", transport, "--seed", "11", "--fault-every", "0.3",
+                           "--skip", "restart-while-stopped", "--skip", "stop-past-quarantine",
+                           "--skip", "restart-under-load",
+                           "--json", str(out)], check=False, capture_output=True, text=True, timeout=140, env=env)
+    fig = json.loads(out.read_text()) if out.exists() else {}
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert fig["untyped"] == fig["hangs"] == fig["leaks"] == fig["corruption"] == 0, fig
+    assert fig["requests"] >= 60 and fig["arrived"] > 0, fig
+    assert sum(fig["faults"].values()) >= 10, fig
