@@ -559,6 +559,8 @@ class Consumer(HandleBase):
         close(self._listener)
         with self._lock:
             sessions = list(self._sessions.values())
+        for slot in self.grants.active_slots():  # writers learn first, ahead of the closed connection
+            self._tell_members(slot, lambda gen, req=slot.req: wire.Cancel(req=req, gen=gen, reason="consumer closed"))
         for s in sessions:
             s.ch.close()
             self._session_lost(s, ClosedError("consumer closed"), gone=False)

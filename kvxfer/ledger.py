@@ -452,6 +452,10 @@ class Grants:
         return lost
 
     @_locked
+    def active_slots(self) -> list[Slot]:
+        return list(self.active.values())
+
+    @_locked
     def held_until(self) -> float:
         """When the last failed slot's quarantine ends (0 when none waits on one)."""
         return max((s.hold_until for s in self.dying), default=0.0)

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import numpy as np
+
 from conformance.kvspec import Spec
 from procs import RemoteError
 from support import (
@@ -50,12 +51,18 @@ from support import (
     watch_untyped,
 )
 
-SPEC = Spec(kind="nhd", num_blocks=512, layers=4, heads=4, block_size=16, head_dim=64)   # 64 KiB blocks
+SPEC = Spec(kind="nhd", num_blocks=512, layers=4, heads=4, block_size=16, head_dim=64)  # 64 KiB blocks
 CONSUMER_BLOCKS = 1024
-SIZES = [1, 2, 4, 16, 64, 128, 256]   # blocks per request (up to 16 MiB), or any size up to the largest
+SIZES = [1, 2, 4, 16, 64, 128, 256]  # blocks per request (up to 16 MiB), or any size up to the largest
 HANG_GRACE = 2.0
-FAULTS = {"kill": 0.15, "stop": 0.2, "slow": 0.15, "producer_cancel": 0.2, "consumer_cancel": 0.2,
-          "consumer_restart": 0.10}
+FAULTS = {
+    "kill": 0.15,
+    "stop": 0.2,
+    "slow": 0.15,
+    "producer_cancel": 0.2,
+    "consumer_cancel": 0.2,
+    "consumer_restart": 0.10,
+}
 
 
 class Slot:
@@ -64,12 +71,12 @@ class Slot:
     def __init__(self, index: int):
         self.index = index
         self.child: ProducerChild | None = None
-        self.up = False            # started and not stopped: safe to call
+        self.up = False  # started and not stopped: safe to call
         self.stopped_until = 0.0
         self.resumed_at = 0.0
         self.generation = 0
         self.live: set[str] = set()
-        self.throttle: Throttle | None = None   # "slow": stopped 98% of the time, so transfers take long
+        self.throttle: Throttle | None = None  # "slow": stopped 98% of the time, so transfers take long
         self.slow_until = 0.0
 
     def unthrottle(self) -> None:
@@ -104,17 +111,24 @@ class Soak:
         self.fault_latency: list[tuple[float, str]] = []
         self.overshoot: list[tuple[float, str]] = []
         self.arrived = 0
-        self.pending_cause: dict[str, tuple[float, str]] = {}   # req -> (fault time, fault kind)
+        self.pending_cause: dict[str, tuple[float, str]] = {}  # req -> (fault time, fault kind)
         self.stop_drain = threading.Event()
-        self.held: list[tuple[float, object, str]] = []   # arrivals the "runtime" still uses: (until, consumer, req)
+        self.held: list[tuple[float, object, str]] = []  # arrivals the "runtime" still uses: (until, consumer, req)
         self.later: list[tuple[float, str, Slot, str]] = []  # scheduled cancels: (when, kind, producer, req)
 
     # ---- the consumer -------------------------------------------------------------------------------------
     def _new_consumer(self):
         from kvxfer import Consumer
 
-        return Consumer(self.layout, transport=self.args.transport, allocator=self.guard, deadline=10.0,
-                        quarantine=self.args.quarantine, max_inflight=64, retry_after=0.02)
+        return Consumer(
+            self.layout,
+            transport=self.args.transport,
+            allocator=self.guard,
+            deadline=10.0,
+            quarantine=self.args.quarantine,
+            max_inflight=64,
+            retry_after=0.02,
+        )
 
     def _api(self, what: str, fn, *args):
         """Call the consumer's API; an exception outside the hierarchy is an untyped error."""
@@ -124,7 +138,7 @@ class Soak:
             return fn(*args)
         except KVXferError:
             return None
-        except Exception as e:  # noqa: BLE001 - that is what is counted
+        except Exception as e:
             self.untyped.append(f"consumer.{what} raised {type(e).__name__}: {e}")
             return None
 
@@ -142,7 +156,7 @@ class Soak:
                     a = None
                 except KVXferError:
                     a = None
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     self.untyped.append(f"consumer.get raised {type(e).__name__}: {e}")
                     a = None
                 if a is not None:
@@ -153,8 +167,9 @@ class Soak:
     def check_arrival(self, a) -> None:
         self.arrived += 1
         got = self.blocks.read(a.block_ids)
-        if len(a.block_ids) != self.requests.get(a.req, {}).get("n", -1) or \
-                not np.array_equal(got, content(a.req, len(a.block_ids), self.layout.block_bytes)):
+        if len(a.block_ids) != self.requests.get(a.req, {}).get("n", -1) or not np.array_equal(
+            got, content(a.req, len(a.block_ids), self.layout.block_bytes)
+        ):
             self.corrupt.append(f"{a.req}: arrived bytes differ from the producer's")
 
     def take_arrivals(self, c) -> None:
@@ -186,14 +201,14 @@ class Soak:
             for slot in self.slots:
                 for req in slot.live:
                     self.pending_cause.setdefault(req, (t, "consumer_restart"))
-            self.release_held(everything=True)   # the runtime gives back what it holds, then shuts the consumer
+            self.release_held(everything=True)  # the runtime gives back what it holds, then shuts the consumer
             if "restart-while-stopped" in self.args.skip:
                 for slot in self.slots:
                     if slot.stopped_until:
                         slot.stopped_until = t
                 self.wake(t)
             old.close()
-            self.take_arrivals(old)   # handed off before the close: the runtime still gets them
+            self.take_arrivals(old)  # handed off before the close: the runtime still gets them
             end = time.monotonic() + 5.0 + self.args.quarantine
             while time.monotonic() < end:
                 s = old.stats()
@@ -202,9 +217,10 @@ class Soak:
                 time.sleep(0.01)
             s = old.stats()
             if s["inflight"] or s["dying"] or not self.guard.full:
-                self.leaks.append(f"closed consumer kept blocks: {s}, allocator {self.guard.num_free}/"
-                                  f"{self.guard.capacity} free")
-                self.guard = GuardedAllocator(self.layout)   # the old one's figures stay counted below
+                self.leaks.append(
+                    f"closed consumer kept blocks: {s}, allocator {self.guard.num_free}/{self.guard.capacity} free"
+                )
+                self.guard = GuardedAllocator(self.layout)  # the old one's figures stay counted below
                 self.guards.append(self.guard)
             self.consumer = self._new_consumer()
 
@@ -226,16 +242,16 @@ class Soak:
     # ---- producers ----------------------------------------------------------------------------------------
     def start_producer(self, slot: Slot) -> None:
         slot.generation += 1
-        child = ProducerChild(SPEC, self.args.transport, seed=self.args.seed * 100 + slot.index * 10
-                              + slot.generation)
+        child = ProducerChild(SPEC, self.args.transport, seed=self.args.seed * 100 + slot.index * 10 + slot.generation)
         slot.child, slot.up, slot.resumed_at = child, True, time.monotonic()
 
     def restart_later(self, slot: Slot) -> None:
         def run():
             try:
                 self.start_producer(slot)
-            except Exception as e:  # noqa: BLE001 - a producer that cannot start is a figure, not a crash
+            except Exception as e:
                 self.untyped.append(f"producer restart failed: {type(e).__name__}: {e}")
+
         threading.Thread(target=run, daemon=True).start()
 
     def call(self, slot: Slot, *cmd):
@@ -254,7 +270,7 @@ class Soak:
     def issue(self, slot: Slot | None = None, **extra) -> tuple[Slot, str, float] | None:
         ready = [s for s in self.slots if s.up and len(s.live) < 4]
         if slot is None:
-            quick = [s for s in ready if s.throttle is None]   # a slowed producer answers in up to 50 ms
+            quick = [s for s in ready if s.throttle is None]  # a slowed producer answers in up to 50 ms
             slot = self.rng.choice(quick) if quick else None
         if slot is None or slot not in ready:
             return None
@@ -272,7 +288,7 @@ class Soak:
         self.requests[req] = {"slot": slot.index, "kind": kind, "n": n, "started": time.monotonic()}
         started = self.call(slot, "start", kind, address, req, n, kwargs, True)
         self.n_started += 1
-        if started is None:   # refused at once (its outcome still comes in), or no free source blocks
+        if started is None:  # refused at once (its outcome still comes in), or no free source blocks
             return None
         slot.live.add(req)
         return slot, req, started["at"]
@@ -301,7 +317,7 @@ class Soak:
             self.hangs.append(f"{req}: ended {late:.1f}s after its deadline")
         cause = self.pending_cause.pop(req, None)
         if cause and r["error"] is not None and r["ended"] >= cause[0]:
-            since = max(cause[0], slot.resumed_at)   # a stopped producer learns nothing until it runs again
+            since = max(cause[0], slot.resumed_at)  # a stopped producer learns nothing until it runs again
             self.fault_latency.append((max(0.0, r["ended"] - since), f"{cause[1]} -> {r['error']} ({req})"))
 
     def overdue(self, slot: Slot, now: float) -> None:
@@ -440,13 +456,13 @@ class Soak:
     def finish(self, start: float) -> dict:
         issuing = time.monotonic() - start
         while any(s.child is None or (not s.up and not s.stopped_until) for s in self.slots):
-            time.sleep(0.05)   # restarts under way
+            time.sleep(0.05)  # restarts under way
         for s in self.slots:
             s.unthrottle()
             if s.stopped_until:
                 s.stopped_until = time.monotonic()
         self.wake(time.monotonic())
-        settle_end = time.monotonic() + 4.0 + HANG_GRACE + 1.0   # the longest deadline, the grace, a margin
+        settle_end = time.monotonic() + 4.0 + HANG_GRACE + 1.0  # the longest deadline, the grace, a margin
         while time.monotonic() < settle_end and any(s.live for s in self.slots):
             for s in self.slots:
                 self.collect(s)
@@ -463,7 +479,7 @@ class Soak:
                 if (st["inflight"] == st["handed"] == st["dying"] == 0 and self.guard.full) or time.monotonic() > end:
                     break
                 time.sleep(0.02)
-        time.sleep(0.3)   # a late writer would land now
+        time.sleep(0.3)  # a late writer would land now
         for key in ("inflight", "handed", "dying"):
             if st[key]:
                 self.leaks.append(f"consumer {key} = {st[key]}")
@@ -477,8 +493,10 @@ class Soak:
                 self.leaks.append(f"producer {s.index} did not report its state")
                 continue
             if state["live"] or state["leases"] or state["free_src"] != state["capacity"]:
-                self.leaks.append(f"producer {s.index}: {len(state['live'])} live transfers, {state['leases']} "
-                                  f"leases, {state['capacity'] - state['free_src']} source blocks held")
+                self.leaks.append(
+                    f"producer {s.index}: {len(state['live'])} live transfers, {state['leases']} "
+                    f"leases, {state['capacity'] - state['free_src']} source blocks held"
+                )
             self.untyped += [f"producer {s.index}: {u}" for u in state["untyped"]]
         for s in self.slots:
             s.child.close()
@@ -486,31 +504,46 @@ class Soak:
         lat = max(self.fault_latency, default=(0.0, ""))
         over = max(self.overshoot, default=(0.0, ""))
         return {
-            "transport": self.args.transport, "producers": self.args.producers, "seconds": round(issuing, 1),
-            "requests": self.n_started, "arrived": self.arrived,
+            "transport": self.args.transport,
+            "producers": self.args.producers,
+            "seconds": round(issuing, 1),
+            "requests": self.n_started,
+            "arrived": self.arrived,
             "outcomes": dict(sorted(self.outcomes.items(), key=lambda kv: -kv[1])),
             "faults": dict(self.faults),
-            "untyped": len(self.untyped), "hangs": len(self.hangs), "leaks": len(self.leaks),
+            "untyped": len(self.untyped),
+            "hangs": len(self.hangs),
+            "leaks": len(self.leaks),
             "corruption": len(self.corrupt),
-            "max_fault_to_error_s": round(lat[0], 3), "max_fault_to_error_case": lat[1],
-            "max_deadline_overshoot_s": round(over[0], 3), "max_deadline_overshoot_case": over[1],
+            "max_fault_to_error_s": round(lat[0], 3),
+            "max_fault_to_error_case": lat[1],
+            "max_deadline_overshoot_s": round(over[0], 3),
+            "max_deadline_overshoot_case": over[1],
             "faults_timed": len(self.fault_latency),
-            "details": {"untyped": self.untyped[:20], "hangs": self.hangs[:20], "leaks": self.leaks[:20],
-                        "corruption": self.corrupt[:20]},
+            "details": {
+                "untyped": self.untyped[:20],
+                "hangs": self.hangs[:20],
+                "leaks": self.leaks[:20],
+                "corruption": self.corrupt[:20],
+            },
         }
 
 
 def report(fig: dict) -> None:
-    print(f"soak: {fig['transport']}, {fig['producers']} producers, {fig['seconds']} s, "
-          f"{fig['requests']} requests, {fig['arrived']} arrived at the consumer")
+    print(
+        f"soak: {fig['transport']}, {fig['producers']} producers, {fig['seconds']} s, "
+        f"{fig['requests']} requests, {fig['arrived']} arrived at the consumer"
+    )
     print("  outcomes at the producers: " + ", ".join(f"{k} {v}" for k, v in fig["outcomes"].items()))
     print("  faults injected:           " + ", ".join(f"{k} {v}" for k, v in sorted(fig["faults"].items())))
     for key in ("untyped", "hangs", "leaks", "corruption"):
         print(f"  {key + ':':27}{fig[key]}")
         for line in fig["details"][key]:
             print(f"      {line}")
-    print(f"  longest fault -> error:    {fig['max_fault_to_error_s']} s  ({fig['max_fault_to_error_case']}; "
-          f"{fig['faults_timed']} timed)")
+    print(
+        f"  longest fault -> error:    {fig['max_fault_to_error_s']} s  ({fig['max_fault_to_error_case']}; "
+        f"{fig['faults_timed']} timed)"
+    )
     print(f"  longest deadline overshoot:{fig['max_deadline_overshoot_s']} s  ({fig['max_deadline_overshoot_case']})")
 
 
@@ -523,14 +556,22 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fault-every", type=float, default=0.5, help="mean seconds between faults")
     p.add_argument("--json", help="also write the figures here")
-    p.add_argument("--quarantine", type=float, default=2.0,
-                   help="the consumer's quarantine for failed one-sided grants (kvxfer's default)")
-    p.add_argument("--skip", action="append", default=[],
-                   choices=["restart-while-stopped", "stop-past-quarantine", "restart-under-load"],
-                   help="leave out a fault combination that hits a known defect: restart-while-stopped resumes "
-                        "stopped producers before the consumer is restarted; stop-past-quarantine keeps nixl "
-                        "producers' stops shorter than the quarantine; restart-under-load restarts a nixl "
-                        "consumer only once no transfer is in flight")
+    p.add_argument(
+        "--quarantine",
+        type=float,
+        default=2.0,
+        help="the consumer's quarantine for failed one-sided grants (kvxfer's default)",
+    )
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["restart-while-stopped", "stop-past-quarantine", "restart-under-load"],
+        help="leave out a fault combination that hits a known defect: restart-while-stopped resumes "
+        "stopped producers before the consumer is restarted; stop-past-quarantine keeps nixl "
+        "producers' stops shorter than the quarantine; restart-under-load restarts a nixl "
+        "consumer only once no transfer is in flight",
+    )
     args = p.parse_args(argv)
     fig = Soak(args).run()
     report(fig)

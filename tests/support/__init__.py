@@ -6,5 +6,15 @@ from .blocks import BlockBytes, content
 from .guard import POISON, BadFree, Fault, GuardedAllocator
 from .peer import ConsumerChild, ProducerChild, Throttle, watch_untyped
 
-__all__ = ["POISON", "BadFree", "BlockBytes", "ConsumerChild", "Fault", "GuardedAllocator", "ProducerChild",
-           "Throttle", "content", "watch_untyped"]
+__all__ = [
+    "POISON",
+    "BadFree",
+    "BlockBytes",
+    "ConsumerChild",
+    "Fault",
+    "GuardedAllocator",
+    "ProducerChild",
+    "Throttle",
+    "content",
+    "watch_untyped",
+]

@@ -22,10 +22,16 @@ class BlockBytes:
         self.block_bytes = layout.block_bytes
         bufs = [np.frombuffer(host_buffer(r), dtype=np.uint8) for r in layout.regions]
         self.segments = []
-        for r, off, stride, n in zip(layout.seg_region.tolist(), layout.seg_offset.tolist(),
-                                     layout.seg_stride.tolist(), layout.seg_bytes.tolist()):
-            self.segments.append(as_strided(bufs[r][off:], shape=(self.num_blocks, n), strides=(stride, 1),
-                                            writeable=True))
+        for r, off, stride, n in zip(
+            layout.seg_region.tolist(),
+            layout.seg_offset.tolist(),
+            layout.seg_stride.tolist(),
+            layout.seg_bytes.tolist(),
+            strict=False,
+        ):
+            self.segments.append(
+                as_strided(bufs[r][off:], shape=(self.num_blocks, n), strides=(stride, 1), writeable=True)
+            )
 
     def read(self, ids) -> np.ndarray:
         """The byte streams of blocks ``ids``, as a ``[len(ids), block_bytes]`` copy."""
@@ -38,7 +44,7 @@ class BlockBytes:
         at = 0
         for seg in self.segments:
             n = seg.shape[1]
-            seg[ids] = data[:, at:at + n]
+            seg[ids] = data[:, at : at + n]
             at += n
 
     def fill(self, ids, byte: int) -> None:

@@ -28,10 +28,10 @@ class BadFree(RuntimeError):
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str          # "double_free", "foreign_free" or "write_after_free"
+    kind: str  # "double_free", "foreign_free" or "write_after_free"
     blocks: tuple[int, ...]
-    at: float          # time.monotonic() when it was found
-    where: str = ""    # "check" or "allocate" for a write after free
+    at: float  # time.monotonic() when it was found
+    where: str = ""  # "check" or "allocate" for a write after free
 
     def __str__(self) -> str:
         return f"{self.kind} of blocks {list(self.blocks)[:8]}{'...' if len(self.blocks) > 8 else ''} {self.where}"
@@ -45,9 +45,9 @@ class GuardedAllocator:
         self.blocks = BlockBytes(layout)
         self.poison = poison
         n = layout.num_blocks
-        self.state = np.zeros(n, dtype=np.int8)   # 0 free, 1 allocated, -1 reserved
+        self.state = np.zeros(n, dtype=np.int8)  # 0 free, 1 allocated, -1 reserved
         self.state[list(reserved)] = -1
-        self.ever = np.zeros(n, dtype=bool)       # handed out at least once
+        self.ever = np.zeros(n, dtype=bool)  # handed out at least once
         self.freed_at = np.zeros(n, dtype=np.float64)
         self._free = [int(b) for b in np.flatnonzero(self.state == 0)[::-1]]
         self.capacity = len(self._free)
@@ -87,8 +87,10 @@ class GuardedAllocator:
             if len(foreign):
                 self.faults.append(Fault("foreign_free", tuple(foreign.tolist()), now))
             if len(twice) or len(foreign):
-                raise BadFree(f"free of blocks not allocated now: double {twice.tolist()[:8]}, "
-                              f"never allocated {foreign.tolist()[:8]}")
+                raise BadFree(
+                    f"free of blocks not allocated now: double {twice.tolist()[:8]}, "
+                    f"never allocated {foreign.tolist()[:8]}"
+                )
             self.blocks.fill(ids, self.poison)
             self.state[ids] = 0
             self.freed_at[ids] = now

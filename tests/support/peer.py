@@ -6,6 +6,7 @@ outside its grant shows up as a corrupted neighbour.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,8 +35,9 @@ def watch_untyped(sink: list) -> None:
     old = threading.excepthook
 
     def hook(args):
-        sink.append(f"thread {args.thread.name if args.thread else '?'} died: {args.exc_type.__name__}: "
-                    f"{args.exc_value}")
+        sink.append(
+            f"thread {args.thread.name if args.thread else '?'} died: {args.exc_type.__name__}: {args.exc_value}"
+        )
         old(args)
 
     threading.excepthook = hook
@@ -59,11 +61,17 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
         with lock:
             if live.get(req) is t:
                 del live[req]
-            ended.append({"req": req, "status": getattr(getattr(t, "status", None), "value", "failed"),
-                          "error": type(error).__name__ if error is not None else None,
-                          "typed": typed, "message": str(error) if error is not None else "",
-                          "ended": time.monotonic(),
-                          "deadline": getattr(t, "deadline", 0.0)})
+            ended.append(
+                {
+                    "req": req,
+                    "status": getattr(getattr(t, "status", None), "value", "failed"),
+                    "error": type(error).__name__ if error is not None else None,
+                    "typed": typed,
+                    "message": str(error) if error is not None else "",
+                    "ended": time.monotonic(),
+                    "deadline": getattr(t, "deadline", 0.0),
+                }
+            )
         if src is not None:
             free.free(src)
 
@@ -80,7 +88,7 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
         except KVXferError as e:
             record(req, None, src, e)
             return None
-        except Exception as e:  # noqa: BLE001 - an untyped error is what the caller counts
+        except Exception as e:
             untyped.append(f"{kind}() raised {type(e).__name__}: {e}")
             record(req, None, src, e, typed=False)
             return None
@@ -112,12 +120,21 @@ def _main(conn, spec: Spec, transport: str, seed: int, options: dict) -> None:
     def state():
         with lock:
             pending = [(r, t.status.value, t.deadline) for r, t in live.items()]
-        return {"live": pending, "leases": len(producer.leases.active), "free_src": free.num_free,
-                "capacity": free.capacity, "untyped": list(untyped), "now": time.monotonic()}
+        return {
+            "live": pending,
+            "leases": len(producer.leases.active),
+            "free_src": free.num_free,
+            "capacity": free.capacity,
+            "untyped": list(untyped),
+            "now": time.monotonic(),
+        }
 
     try:
-        serve(conn, layout.block_bytes, {"start": start, "cancel": cancel, "ended": take_ended, "state": state,
-                                         "close_producer": producer.close})
+        serve(
+            conn,
+            layout.block_bytes,
+            {"start": start, "cancel": cancel, "ended": take_ended, "state": state, "close_producer": producer.close},
+        )
     finally:
         producer.close()
 
@@ -196,11 +213,8 @@ class Throttle:
     def __exit__(self, *exc):
         self._halt.set()
         self._thread.join()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             self.proc.cont()
-        except ProcessLookupError:
-            pass
-
 
 
 def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
@@ -240,9 +254,11 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
             a = consumer.get(timeout)
         except DeadlineError:
             return None
-        return {"req": a.req, "ids": a.block_ids.tolist(),
-                "intact": bool((blocks.read(a.block_ids) == content(a.req, len(a.block_ids),
-                                                                   layout.block_bytes)).all())}
+        return {
+            "req": a.req,
+            "ids": a.block_ids.tolist(),
+            "intact": bool((blocks.read(a.block_ids) == content(a.req, len(a.block_ids), layout.block_bytes)).all()),
+        }
 
     def settle(linger, timeout):
         """Release what arrived, wait until every block is back, then ``linger`` for late writers; the figures."""
@@ -255,13 +271,29 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
                 break
             time.sleep(0.01)
         time.sleep(linger)
-        return {"stats": consumer.stats(), "full": guard.full, "untyped": list(untyped),
-                "after_free": [str(f) for f in guard.check()], "bad_frees": [str(f) for f in guard.bad_frees()]}
+        return {
+            "stats": consumer.stats(),
+            "full": guard.full,
+            "untyped": list(untyped),
+            "after_free": [str(f) for f in guard.check()],
+            "bad_frees": [str(f) for f in guard.bad_frees()],
+        }
 
     try:
-        serve(conn, consumer.address, {"wait_bytes": wait_bytes, "wait_failed": wait_failed, "get": get,
-                                       "cancel": consumer.cancel, "release": consumer.release, "settle": settle,
-                                       "stats": consumer.stats, "close_consumer": consumer.close})
+        serve(
+            conn,
+            consumer.address,
+            {
+                "wait_bytes": wait_bytes,
+                "wait_failed": wait_failed,
+                "get": get,
+                "cancel": consumer.cancel,
+                "release": consumer.release,
+                "settle": settle,
+                "stats": consumer.stats,
+                "close_consumer": consumer.close,
+            },
+        )
     finally:
         consumer.close()
 

@@ -3,8 +3,8 @@ nothing."""
 
 import numpy as np
 import pytest
-from conformance.kvspec import Spec
 
+from conformance.kvspec import Spec
 from kvxfer import Consumer, Producer
 from support import POISON, BadFree, BlockBytes, GuardedAllocator, content
 
