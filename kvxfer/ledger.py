@@ -336,16 +336,16 @@ class Grants:
             return None
         if slot.moving == 0:
             slot.to(State.GRANTED)
-        if part is not None:
-            part.landed += nbytes
-        else:
-            slot.landed += nbytes
-        return self._maybe_ready(slot)
+        return self._account(slot, part, nbytes)
 
     @_locked
     def landed(self, peer: int, req: str, gen: int, nbytes: int) -> Slot | None:
         """A one-sided transport says the bytes are there (NIXL notification)."""
         slot, part = self._live_part(peer, req, gen)
+        return self._account(slot, part, nbytes)
+
+    def _account(self, slot: Slot, part: Part | None, nbytes: int) -> Slot | None:
+        """``nbytes`` arrived for ``slot`` (into ``part`` of a multi-sender request); the slot if now ready."""
         if part is not None:
             part.landed += nbytes
         else:

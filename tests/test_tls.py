@@ -1,7 +1,6 @@
 """TLS on the control channel and TCP data connections: bytes arrive, nothing readable crosses, a wrong CA is
 an AuthError, a plain producer against a TLS consumer fails in time."""
 
-import subprocess
 import time
 
 import numpy as np
@@ -9,34 +8,17 @@ import pytest
 
 from conformance.test_auth import Recorder
 from kvxfer import AuthError, Consumer, KVLayout, KVXferError, Producer, tls
+from kvxfer.bench import certs
 
 PATTERN = np.frombuffer(b"KVXFER-PLAINTEXT", np.uint8)
 
 
 def _cert(tmp_path, name: str) -> tuple[str, str]:
+    """A self-signed certificate (and its key) for 127.0.0.1, as files."""
+    cert_pem, key_pem = certs.self_signed(name=name)
     cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            f"/CN={name}",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    cert.write_text(cert_pem)
+    key.write_text(key_pem)
     return str(cert), str(key)
 
 

@@ -15,8 +15,8 @@ def split(name: str) -> tuple[str, bool]:
     return (name[: -len(TLS_SUFFIX)], True) if name.endswith(TLS_SUFFIX) else (name, False)
 
 
-def self_signed(host: str = "127.0.0.1") -> tuple[str, str]:
-    """(certificate PEM, key PEM) for ``host``, valid a day."""
+def self_signed(host: str = "127.0.0.1", name: str = "kvxfer-bench") -> tuple[str, str]:
+    """(certificate PEM, key PEM) for ``host`` (and localhost), common name ``name``, valid a day."""
     if shutil.which("openssl") is None:
         raise RuntimeError("the tcp+tls rows need the openssl command to make a throwaway certificate")
     with tempfile.TemporaryDirectory() as d:
@@ -33,7 +33,7 @@ def self_signed(host: str = "127.0.0.1") -> tuple[str, str]:
                 "-days",
                 "1",
                 "-subj",
-                "/CN=kvxfer-bench",
+                f"/CN={name}",
                 "-addext",
                 f"subjectAltName={san},DNS:localhost,IP:127.0.0.1",
                 "-keyout",
