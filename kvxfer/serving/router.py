@@ -11,6 +11,10 @@ A transfer that will not complete is acted on at once, never after the decode ti
 in the prefill answer (``kv_transfer_params["kvxfer"]["status"]`` other than ``sending`` / ``done``), or the
 decode endpoint's answer that it failed, or was not admitted within ``--admit-timeout`` of the prefill's answer.
 The request then goes to the regular pool (``--when-transfer-fails fallback``) or gets 502 with an error body.
+
+Beside that pool of ``kvxfer-decode`` endpoints, a pool of vLLM decode instances (``--vllm-decode``): P/D between two
+vLLMs, the decode instance fetching the KV the prefill holds (``vllm_decode.py``). It serves the disaggregated
+route when the router has no ``kvxfer-decode`` pool, or when a request asks for it (``X-KVXfer-Route: vllm``).
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import uuid
 from dataclasses import dataclass
 
 from .auth import DECODE_TOKEN_ENV, ROUTER_TOKEN_ENV, authorized, bearer, guarded, resolve
+from .vllm_decode import VLLMDecodePool, claim, not_held
 
 log = logging.getLogger("kvxfer.router")
 
 ROUTE_HEADER = "x-kvxfer-route"
+ROUTES = ("low-latency", "vllm")  # the header's values that select the disaggregated route (vllm: that pool)
 HOP_HEADERS = {
     "host",
     "content-length",
@@ -55,9 +61,9 @@ class Endpoint:
 
 
 class _Held:
-    """A decode endpoint's in-flight count for one request, given back exactly once."""
+    """A decode endpoint's (or vLLM decode instance's) in-flight count for one request, given back exactly once."""
 
-    def __init__(self, ep: Endpoint):
+    def __init__(self, ep):
         self.ep, self.open, self.streaming = ep, True, False
         ep.inflight += 1
 
@@ -81,6 +87,10 @@ class DecodePool:
         self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in urls}
         self.etcd, self.prefix, self.interval = etcd, prefix, interval
         self.headers = bearer(token)  # sent with every request to a decode endpoint
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.endpoints or self.etcd)
 
     async def refresh(self, client) -> None:
         if self.etcd:
@@ -132,6 +142,8 @@ class Router:
         admit_timeout: float = 1.0,
         digests: bool = False,
         admin_token: str = "",
+        vllm_pool: VLLMDecodePool | None = None,
+        vllm_connector: str = "kvxfer",
     ):
         import httpx
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -139,6 +151,7 @@ class Router:
         self.prefill = prefill.rstrip("/")
         self.regular = (regular or prefill).rstrip("/")
         self.pool = pool
+        self.vllm_pool, self.vllm_connector = vllm_pool, vllm_connector
         self.policy, self.alias, self.when_busy, self.when_failed = policy, alias, when_busy, when_failed
         self.prefill_timeout, self.decode_timeout, self.admit_timeout = prefill_timeout, decode_timeout, admit_timeout
         self.digests = digests
@@ -158,7 +171,7 @@ class Router:
             return True
         if self.policy == "never":
             return False
-        if request.headers.get(ROUTE_HEADER, "").lower() == "low-latency":
+        if request.headers.get(ROUTE_HEADER, "").lower() in ROUTES:
             return True
         return bool(self.alias) and body.get("model") == self.alias
 
@@ -195,6 +208,12 @@ class Router:
                 return ep
         return None
 
+    def to_vllm(self, request) -> bool:
+        """The disaggregated route goes to the vLLM decode pool: asked for, or the only decode pool there is."""
+        if self.vllm_pool is None:
+            return False
+        return request.headers.get(ROUTE_HEADER, "").lower() == "vllm" or not self.pool.configured
+
     async def serve(self, request, path: str):
         content = await request.body()
         try:
@@ -204,6 +223,8 @@ class Router:
         if not isinstance(body, dict) or not self.low_latency(request, body):
             return await self.proxy(request, path, content)
         chat = path.endswith("chat/completions")
+        if self.to_vllm(request):
+            return await self._pd_vllm(request, path, content, body, chat)
         budget = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         prompt_words = len(json.dumps(body.get("messages") or body.get("prompt") or "").split())
         ep = await self._reserve(max(prompt_words, 1))
@@ -359,6 +380,86 @@ class Router:
             await close()
         return JSONResponse(_full(base, chat, "".join(pieces), finish, len(pieces), pj.get("usage", {})))
 
+    async def _pd_vllm(self, request, path: str, content: bytes, body: dict, chat: bool):
+        """Prefill holding the KV, then the client's request to a vLLM decode instance with the prefill's
+        ``kv_transfer_params``, its answer passed through as it comes."""
+        import httpx
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+
+        assert self.vllm_pool is not None
+        candidates = self.vllm_pool.candidates()
+        if not candidates:
+            self.errors.labels("busy").inc()
+            if self.when_busy == "fallback":
+                return await self.proxy(request, path, content)
+            return _error(503, "no vLLM decode instance is up", "busy", {"Retry-After": "1"})
+        self.requests.labels("vllm_decode").inc()
+        start = time.monotonic()
+        pre = dict(body, stream=False, max_tokens=1, kv_transfer_params=claim(self.vllm_connector, self.digests))
+        if chat:
+            pre["max_completion_tokens"] = 1
+        for key in ("stream_options", "min_tokens"):
+            pre.pop(key, None)
+        try:
+            r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
+        except httpx.HTTPError as e:
+            self.errors.labels("prefill").inc()
+            return _error(502, f"prefill unreachable: {e}", "upstream_error")
+        if r.status_code != 200:
+            self.errors.labels("prefill").inc()
+            return JSONResponse(_json_or(r), status_code=r.status_code)
+        pj = r.json()
+        choice = pj["choices"][0]
+        if choice.get("finish_reason") != "length":  # ended at its first token (EOS, a stop string): all of it
+            self.ttft.labels("vllm_decode").observe(time.monotonic() - start)
+            return _whole(pj, chat, bool(body.get("stream")))
+        why = not_held(self.vllm_connector, pj.get("kv_transfer_params"))
+        if why:
+            return await self._transfer_failed(request, path, content, why)
+        decode = dict(body, kv_transfer_params=pj["kv_transfer_params"])
+        for inst in candidates:
+            held = _Held(inst)
+            try:
+                resp = await self.client.send(
+                    self.client.build_request("POST", f"{inst.url}{path}", json=decode, timeout=self.decode_timeout),
+                    stream=True,
+                )
+            except httpx.ConnectError as e:  # gone since the last probe: the KV is still held, try the next one
+                held.end()
+                inst.alive = False
+                log.warning("vLLM decode instance %s unreachable: %s", inst.url, e)
+                continue
+            except httpx.HTTPError as e:
+                held.end()
+                self.errors.labels("decode").inc()
+                return _error(502, f"vLLM decode instance {inst.url}: {e}", "decode_error")
+            if resp.status_code != 200:
+                self.errors.labels("decode").inc()
+                detail = await resp.aread()
+                await resp.aclose()
+                held.end()
+                return Response(detail, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            return StreamingResponse(
+                self._relay(resp, held, start),
+                status_code=200,
+                headers={k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS | {"content-encoding"}},
+            )
+        self.errors.labels("decode").inc()
+        return _error(502, "no vLLM decode instance could be reached", "decode_error")
+
+    async def _relay(self, resp, held: _Held, start: float):
+        """The decode instance's answer, byte for byte; TTFT at its first bytes."""
+        first = True
+        try:
+            async for piece in resp.aiter_raw():
+                if first and piece:
+                    self.ttft.labels("vllm_decode").observe(time.monotonic() - start)
+                    first = False
+                yield piece
+        finally:
+            held.end()
+            await resp.aclose()
+
     async def _discard(self, ep: Endpoint, gen: dict) -> None:
         """Claim and give back a hand-off nobody decodes (its blocks would otherwise wait out the endpoint's TTL)."""
         import httpx
@@ -386,10 +487,12 @@ class Router:
 
         @asynccontextmanager
         async def lifespan(_app):
-            await self.pool.refresh(self.client)
-            task = asyncio.create_task(self.pool.run(self.client))
+            pools = [self.pool] + ([self.vllm_pool] if self.vllm_pool else [])
+            await asyncio.gather(*(p.refresh(self.client) for p in pools))
+            tasks = [asyncio.create_task(p.run(self.client)) for p in pools]
             yield
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             await self.client.aclose()
 
         async def completions(request):
@@ -402,7 +505,10 @@ class Router:
             """Liveness for anyone; the decode pool only for holders of the admin token."""
             if not authorized(request.headers, self.admin_token):
                 return JSONResponse({"ok": True})
-            return JSONResponse({"ok": True, "decode_endpoints": [e.url for e in self.pool.candidates()]})
+            pool = {"decode_endpoints": [e.url for e in self.pool.candidates()]}
+            if self.vllm_pool is not None:
+                pool["vllm_decode_instances"] = [i.url for i in self.vllm_pool.candidates()]
+            return JSONResponse({"ok": True, **pool})
 
         async def metrics(_):
             return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
@@ -435,6 +541,23 @@ def _error(status: int, message: str, kind: str, headers: dict | None = None):
     return JSONResponse(
         {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
     )
+
+
+def _whole(pj: dict, chat: bool, stream: bool):
+    """A prefill's answer that is the whole answer, in the form the client asked for."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    if not stream:
+        return JSONResponse(pj)
+    choice = pj["choices"][0]
+    text = (choice["message"].get("content") or "") if chat else choice.get("text", "")
+    base = {"id": pj.get("id"), "created": pj.get("created", int(time.time())), "model": pj.get("model")}
+
+    async def events():
+        yield _chunk(base, chat, text, choice.get("finish_reason") or "stop", True)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _chunk(base: dict, chat: bool, text: str, finish, first: bool) -> str:
@@ -478,6 +601,18 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill", required=True, help="URL of vLLM with the KVXferConnector")
     ap.add_argument("--regular", help="URL of the regular pool (default: the prefill URL)")
     ap.add_argument("--decode", action="append", default=[], help="URL of a decode endpoint (repeatable)")
+    ap.add_argument(
+        "--vllm-decode",
+        action="append",
+        default=[],
+        help="URL of a vLLM decode instance (kv_consumer) that fetches the KV the prefill holds (repeatable)",
+    )
+    ap.add_argument(
+        "--vllm-connector",
+        choices=["kvxfer", "nixl"],
+        default="kvxfer",
+        help="the connector that moves the KV to the vLLM decode pool: the KVXferConnector, or vLLM's NixlConnector",
+    )
     ap.add_argument("--etcd", help="host:port of etcd to discover decode endpoints in")
     ap.add_argument("--etcd-prefix", default="/kvxfer/decode/")
     ap.add_argument(
@@ -533,6 +668,8 @@ def main(argv=None) -> None:
         admit_timeout=args.admit_timeout,
         digests=args.digests,
         admin_token=resolve(args.admin_token, ROUTER_TOKEN_ENV),
+        vllm_pool=VLLMDecodePool(args.vllm_decode) if args.vllm_decode else None,
+        vllm_connector=args.vllm_connector,
     )
     host, port = args.listen.rsplit(":", 1)
     uvicorn.run(router.app(), host=host, port=int(port), log_level="warning")
