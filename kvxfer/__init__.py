@@ -28,6 +28,7 @@ from .errors import (
     TimeoutError,
     TransportError,
 )
+from .fetch import Fetch
 from .layout import KVLayout
 from .producer import Producer
 from .transfer import Arrival, Status, Transfer
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "DeadlineError",
+    "Fetch",
     "FreeList",
     "IncompatibleError",
     "IntegrityError",

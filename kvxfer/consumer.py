@@ -1,5 +1,6 @@
 """The decode side: a ``Consumer`` listens on one address, admits pushes into blocks its allocator grants,
-pulls offered blocks, and hands every arrived request to the runtime as an ``Arrival``. Every protocol rule
+pulls offered blocks, fetches held blocks into blocks its caller chose (``fetch``), and hands every arrived
+request to the runtime as an ``Arrival``. Every protocol rule
 is the ledger's (``ledger.Grants``); this module wires it to sockets, threads and the transport.
 """
 
@@ -25,6 +26,7 @@ from .channel import Channel, parse_address, remaining
 from .digest import mismatches
 from .errors import (
     AuthError,
+    BlockError,
     BusyError,
     CancelledError,
     ClosedError,
@@ -37,6 +39,7 @@ from .errors import (
     StaleError,
     from_code,
 )
+from .fetch import Fetch, Fetches
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
 from .lifecycle import REAP_INTERVAL, HandleBase, ms
@@ -61,6 +64,8 @@ class _ConsumerSession:
         self.alive = True
         self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
         self.data_nonces: set[bytes] = set()  # each data connection proves the session key once
+        self.fetches: dict[str, Fetch] = {}  # a session this consumer opened to fetch: its fetches, by request
+        self.fetch_address = ""  # that session's producer address
 
     def send(self, msg) -> bool:
         try:
@@ -146,6 +151,7 @@ class Consumer(HandleBase):
         self._sessions: dict[int, _ConsumerSession] = {}
         self._sids = itertools.count(1)
         self._per_host: dict[str, int] = {}
+        self.fetches = Fetches(self)
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-accept").start()
@@ -171,6 +177,13 @@ class Consumer(HandleBase):
         self._fail_slot(slot, CancelledError(reason))
         self._tell_members(slot, lambda gen: wire.Cancel(req=req, gen=gen, reason=reason))
         return True
+
+    def fetch(self, address: str, req: str, block_ids, *, skip: int = 0, deadline: float | None = None) -> Fetch:
+        """Read blocks ``[skip, skip + len(block_ids))`` of what the producer at ``address`` holds as ``req``
+        (``Producer.hold``) into this consumer's ``block_ids``, chosen by the caller (never taken from or given
+        back to the allocator). Returns at once; the transfer ends with no error once every byte landed, else
+        with a typed error, and in both cases only when no byte can land in ``block_ids`` any more."""
+        return self.fetches.start(address, req, block_ids, skip, deadline)
 
     def state(self, req: str) -> str | None:
         """Where ``req`` stands (``Grants.phase``): ``"receiving"``, ``"ready"``, ``"failed"`` or ``None``, so
@@ -258,10 +271,23 @@ class Consumer(HandleBase):
             _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
             ch.close()
             return
-        s = None
         try:
             s = self._welcome(ch, first, end)
-            sock.settimeout(None)
+        except KVXferError as e:
+            _tell(ch, wire.Error(req="", code=e.code, message=str(e)))
+            ch.close()
+            return
+        except Exception:  # a peer must never crash the consumer
+            log.exception("kvxfer consumer handshake")
+            ch.close()
+            return
+        sock.settimeout(None)
+        self._run_session(s)
+
+    def _run_session(self, s: _ConsumerSession) -> None:
+        """Serve one control session until it ends (a producer's, or one this consumer opened to fetch)."""
+        ch = s.ch
+        try:
             budget, refilled = self.max_msgs_per_sec, time.monotonic()
             while s.alive:
                 msg = ch.recv()
@@ -281,8 +307,7 @@ class Consumer(HandleBase):
             error = PeerError(repr(e))
         else:
             error = PeerError("session closed")
-        if s is not None:
-            self._session_lost(s, error)
+        self._session_lost(s, error)
         ch.close()
 
     def _accept_data(self, ch: Channel, hello: wire.DataHello) -> None:
@@ -295,7 +320,7 @@ class Consumer(HandleBase):
         ch.sock.settimeout(None)
         s.transport.accept_data(ch.sock, hello)
 
-    def _welcome(self, ch: Channel, first, end: float) -> _ConsumerSession:
+    def _welcome(self, ch: Channel, first, end: float, address: str = "") -> _ConsumerSession:
         hello = handshake.check_hello(first)
         challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
         ch.send(challenge)
@@ -307,7 +332,7 @@ class Consumer(HandleBase):
         s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:
             self._sessions[s.sid] = s
-        ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key))
+        ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key, address))
         return s
 
     def _session_lost(self, s: _ConsumerSession, error: KVXferError, gone: bool = True) -> None:
@@ -323,6 +348,8 @@ class Consumer(HandleBase):
             ev.set()
         if s.transport is not None:
             s.transport.disconnect(s.sid)
+        self.fetches.session_lost(s, error)
+        self.fetches.finish_freed()
 
     # ---- control messages -------------------------------------------------------------------------------
     def _on_message(self, s: _ConsumerSession, msg) -> None:
@@ -331,6 +358,8 @@ class Consumer(HandleBase):
             return self._admit(s, msg, now)
         if isinstance(msg, wire.Offer):
             return self._offered(s, msg, now)
+        if isinstance(msg, wire.Error) and (f := self.fetches.pending(s, msg.req)) is not None:
+            return self.fetches.refused(f, msg)
         if isinstance(msg, wire.Done):
             try:
                 slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, msg.meta, msg.digests)
@@ -399,6 +428,7 @@ class Consumer(HandleBase):
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
         if self.grants.fail(slot.req, error, time.monotonic()) is not None:
             self._failed(slot)
+        self.fetches.finish_freed()
 
     def _failed(self, slot: Slot) -> None:
         """Count a failed slot and stop the pull reading into it, if one is."""
@@ -422,6 +452,10 @@ class Consumer(HandleBase):
         with self._lock:
             self.counters["completed"] += 1
             self.counters["bytes"] += slot.nbytes
+        if slot.external:  # a fetch: the blocks are its caller's, who learns from the fetch's transfer
+            self.grants.release(slot.req)
+            self.fetches.finish_freed()
+            return
         arrival = Arrival(
             slot.req,
             slot.ids,
@@ -465,25 +499,51 @@ class Consumer(HandleBase):
             self._fail_slot(slot, err)
             self._tell_members(slot, functools.partial(_error_for, slot.req, err))
         self.grants.reap(now)
+        self.fetches.reap(now)
 
     # ---- pull -------------------------------------------------------------------------------------------
     def _offered(self, s: _ConsumerSession, msg: wire.Offer, now: float) -> None:
+        fetch = self.fetches.pending(s, msg.req)
         try:
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
-            deadline = now + min(self.deadline, max(msg.lease_ms, 1) / 1000)
-            slot = self.grants.admit_pull(
-                s.sid,
-                msg.req,
-                len(src),
-                deadline,
-                now,
-                msg.gen,
-                dict(msg.meta),
-                msg.digests,
-                one_sided=s.transport.one_sided,
-            )
+            lease_end = now + max(msg.lease_ms, 1) / 1000
+            if fetch is None:
+                deadline = min(now + self.deadline, lease_end)
+                slot = self.grants.admit_pull(
+                    s.sid,
+                    msg.req,
+                    len(src),
+                    deadline,
+                    now,
+                    msg.gen,
+                    dict(msg.meta),
+                    msg.digests,
+                    one_sided=s.transport.one_sided,
+                )
+            else:
+                if len(src) != len(fetch.ids):
+                    raise BlockError(f"request {msg.req!r}: {len(src)} blocks offered, {len(fetch.ids)} fetched")
+                slot = self.fetches.claim(
+                    fetch,
+                    lambda: self.grants.admit_pull(
+                        s.sid,
+                        msg.req,
+                        len(src),
+                        min(fetch.deadline, lease_end),
+                        now,
+                        msg.gen,
+                        dict(msg.meta),
+                        msg.digests,
+                        one_sided=s.transport.one_sided,
+                        ids=fetch.ids,
+                    ),
+                )
+                if slot is None:
+                    raise CancelledError(f"fetch of {msg.req!r} ended before its offer arrived")
         except KVXferError as e:
+            if fetch is not None and not isinstance(e, CancelledError):
+                self.fetches.end(fetch, e)
             return self._reject(s, msg.req, e, gen=msg.gen)
         self._count("admitted")
         cancel = threading.Event()
@@ -564,6 +624,7 @@ class Consumer(HandleBase):
         for s in sessions:
             s.ch.close()
             self._session_lost(s, ClosedError("consumer closed"), gone=False)
+        self.fetches.close()
         # a live producer may still post a one-sided write into a grant it holds: its blocks go back only after
         # the quarantine (the reaper's job, done here once more before the handle is gone)
         end = self.grants.held_until()
@@ -572,6 +633,7 @@ class Consumer(HandleBase):
             self.grants.reap(time.monotonic())
         self._close_common()
         self.grants.reap(time.monotonic())
+        self.fetches.finish_freed()
 
 
 def _tell(ch: Channel, msg) -> None:

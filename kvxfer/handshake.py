@@ -4,14 +4,16 @@ layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and
     producer -> Hello(version, peer_id, nonce_p)
     consumer -> Challenge(version, peer_id, nonce_c, proof_c = HMAC(token, "consumer" | nonce_p | nonce_c | id_c))
     producer -> Proof(proof_p = HMAC(token, "producer" | nonce_p | nonce_c | layout | transports), layout, transports)
-    consumer -> Welcome(session, layout, transport, meta,
-                        mac = HMAC(key, "welcome" | session | layout | transport | meta))
+    consumer -> Welcome(session, layout, transport, meta, address,
+                        mac = HMAC(key, "welcome" | session | layout | transport | meta | address))
 
 with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. The token never crosses the wire; each side proves
 it over a nonce the other just chose, so a replayed message fails; no layout (whose regions name raw
 addresses) and no transport metadata (a NIXL agent's whole registered region) is revealed before both proofs
 held. Every data connection then proves the session key over a fresh nonce (``DataHello``). An empty token
-is a token like any other: both sides must use it.
+is a token like any other: both sides must use it. A fetching consumer connects to a producer's listening
+address instead; the producer still speaks first and the exchange is the same, the Welcome naming the
+consumer's own listening ``address`` (where the producer's TCP data connections go).
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ def check_proof(
     return remote, pair(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
 
 
-def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes) -> wire.Welcome:
-    msg = wire.Welcome(session=session, layout=layout.desc(), transport=transport, transport_meta=meta)
+def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes, address: str = "") -> wire.Welcome:
+    msg = wire.Welcome(session=session, layout=layout.desc(), transport=transport, transport_meta=meta, address=address)
     msg.mac = _welcome_mac(key, msg)
     return msg
 
@@ -165,6 +167,7 @@ def _welcome_mac(key: bytes, msg: wire.Welcome) -> bytes:
         _enc.encode(msg.layout),
         msg.transport.encode(),
         msg.transport_meta,
+        msg.address.encode(),
     )
 
 

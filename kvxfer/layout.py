@@ -19,9 +19,11 @@ dimensions dropped and neighbours of one role merged: ``"L32 N16 H8 D256"`` is 3
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import numpy as np
 
 from . import wire
@@ -192,6 +194,12 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         return self._block_bytes
+
+    @property
+    def fingerprint_id(self) -> str:
+        """A short stable name of the fingerprint: two layouts pair exactly when their ids are equal, so a
+        ticket can carry it and a fetching side can refuse a mismatch before any connection."""
+        return hashlib.sha256(msgspec.msgpack.encode(self.fingerprint)).hexdigest()[:32]
 
     @property
     def device(self) -> int:

@@ -84,6 +84,7 @@ class Slot:
     live_peers: set[int] = field(default_factory=set)  # sessions that may still write these blocks
     admitted: float = 0.0
     one_sided: bool = False  # a writer's transport is one-sided: a failure quarantines the blocks
+    external: bool = False  # the caller chose the blocks (a fetch): "freed" hands them back to it, not the allocator
 
     @property
     def ready(self) -> bool:
@@ -155,6 +156,7 @@ class Grants:
         self.handed: dict[str, Slot] = {}
         self.dying: list[Slot] = []
         self.tombstones: dict[str, float] = {}
+        self.freed_external: list[Slot] = []  # caller-chosen blocks given back: the caller learns via take_freed
 
     # ---- admission ---------------------------------------------------------------------------------------
     @_locked
@@ -171,6 +173,7 @@ class Grants:
         layers=None,
         meta: dict | None = None,
         one_sided: bool = False,
+        ids: np.ndarray | None = None,
     ) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
@@ -178,7 +181,8 @@ class Grants:
         ``layers``: the first part to arrive is admitted (blocks, deadline, in-flight bound); later parts
         join the same grant and get their own generation, without a second allocation. ``meta`` merges
         into the slot's (part 0's keys win). ``one_sided``: the writer's transport cannot be stopped from here,
-        so a failed slot is quarantined (see ``fail``).
+        so a failed slot is quarantined (see ``fail``). ``ids``: blocks the caller chose (a fetch), used
+        instead of the allocator's and never given to it (``take_freed`` reports them).
         """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
@@ -205,9 +209,14 @@ class Grants:
             mine = sum(1 for s in self.active.values() if peer in s.live_peers)
             if mine >= self.max_inflight_per_peer:
                 raise BusyError(f"{mine} requests of this producer in flight", self.retry_after)
-        ids = self.allocator.allocate(n)
-        if ids is None:
-            raise BusyError(f"no room for {n} blocks", self.retry_after)
+        external = ids is not None
+        if ids is not None:
+            if len(ids) != n:
+                raise BlockError(f"request {req!r}: {n} blocks offered for {len(ids)} chosen")
+        else:
+            ids = self.allocator.allocate(n)
+            if ids is None:
+                raise BusyError(f"no room for {n} blocks", self.retry_after)
         slot = Slot(
             req,
             next(_generations),
@@ -219,6 +228,7 @@ class Grants:
             live_peers={peer},
             admitted=now,
             one_sided=one_sided,
+            external=external,
         )
         self.active[req] = slot
         if senders > 1:
@@ -238,9 +248,11 @@ class Grants:
         meta: dict | None = None,
         digests: bytes = b"",
         one_sided: bool = False,
+        ids: np.ndarray | None = None,
     ) -> Slot:
-        """Admit an offer this consumer will read: blocks to read into, named to the producer by its lease."""
-        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided)
+        """Admit an offer this consumer will read: blocks to read into (``ids`` for a fetch), named to the
+        producer by its lease."""
+        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided, ids=ids)
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot
 
@@ -431,9 +443,22 @@ class Grants:
         slot = self.handed.pop(req, None)
         if slot is None:
             return False
-        slot.to(State.FREED)
-        self.allocator.free(slot.ids)
+        self._free(slot)
         return True
+
+    def _free(self, slot: Slot) -> None:
+        slot.to(State.FREED)
+        if slot.external:
+            self.freed_external.append(slot)
+        else:
+            self.allocator.free(slot.ids)
+
+    @_locked
+    def take_freed(self) -> list[Slot]:
+        """Caller-chosen slots (fetches) whose blocks were given back since the last call: no byte can land in
+        them any more."""
+        out, self.freed_external = self.freed_external, []
+        return out
 
     @_locked
     def peer_lost(self, peer: int, error: KVXferError, now: float, *, gone: bool = True) -> list[Slot]:
@@ -471,8 +496,7 @@ class Grants:
         keep, freed = [], 0
         for s in self.dying:
             if s.moving == 0 and s.hold_until <= now:
-                s.to(State.FREED)
-                self.allocator.free(s.ids)
+                self._free(s)
                 freed += len(s.ids)
             else:
                 keep.append(s)

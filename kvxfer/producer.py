@@ -1,11 +1,13 @@
-"""The prefill side: a ``Producer`` pushes a request's blocks into a consumer's grant, or offers them for the
-consumer to pull under a lease. One control session per consumer address; bytes move on the worker pool so
-``push`` and ``offer`` return at once with a ``Transfer`` (a future).
+"""The prefill side: a ``Producer`` pushes a request's blocks into a consumer's grant, offers them for the
+consumer to pull under a lease, or holds them under a lease for whichever consumer fetches them (``listen``).
+One control session per consumer address (plus one per consumer that connected to fetch); bytes move on the
+worker pool so ``push``, ``offer`` and ``hold`` return at once with a ``Transfer`` (a future).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -21,17 +23,20 @@ from .errors import (
     BusyError,
     CancelledError,
     ClosedError,
+    ConfigError,
     DeadlineError,
     KVXferError,
     LeaseExpiredError,
     PeerError,
     ProtocolError,
+    StaleError,
     from_code,
 )
 from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, ms
 from .plan import check_ids
+from .sockets import close as close_socket
 from .transfer import Status, Transfer, _attempts
 from .transports.base import Peer, Transport
 
@@ -79,6 +84,9 @@ class Producer(HandleBase):
     ``transport`` is ``"tcp"``, ``"nixl"`` or ``"auto"``; ``deadline`` (seconds) bounds every transfer that
     does not name its own; ``auth`` is a shared token the consumer must expect; ``tls`` (a client context,
     ``kvxfer.tls.client_context``) makes every control and TCP data connection TLS.
+
+    ``listen`` (``"host:port"``, port 0 picks one; ``address`` says which) lets consumers connect to fetch
+    what ``hold`` keeps for them: a decode instance that chooses its own destination blocks.
     """
 
     def __init__(
@@ -95,7 +103,11 @@ class Producer(HandleBase):
         workers: int = 8,
         max_frame: int = wire.MAX_FRAME,
         tls: ssl.SSLContext | None = None,
+        listen: str | None = None,
     ):
+        if listen is not None and tls is not None:
+            raise ConfigError("fetching over TLS is not supported yet: give listen= or tls=, not both")
+        where = parse_address(listen) if listen is not None else None
         options = dict(transport_options or {}, **({"tls": tls} if tls is not None else {}))
         super().__init__(layout, transport, auth, options, peer_id, workers)
         self.tls = tls
@@ -106,6 +118,14 @@ class Producer(HandleBase):
         self.leases = Leases()
         self._sessions: dict[str, _ProducerSession] = {}
         self._connecting: dict[str, threading.Lock] = {}
+        self._fetchers: set[_ProducerSession] = set()  # sessions consumers opened to fetch
+        self._holds: dict[str, Transfer] = {}
+        self.address: str | None = None
+        self._listener: socket.socket | None = None
+        if where is not None:
+            self._listener = socket.create_server(where, backlog=128)
+            self.address = f"{where[0]}:{self._listener.getsockname()[1]}"
+            threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-producer-accept").start()
         self._reaper.start()
 
     # ---- sessions ---------------------------------------------------------------------------------------
@@ -129,15 +149,22 @@ class Producer(HandleBase):
 
     def _handshake(self, address: str, timeout: float) -> _ProducerSession:
         parse_address(address)
-        ch = Channel(connect(address, timeout, self.tls), self.max_frame)
+        return self._shake(Channel(connect(address, timeout, self.tls), self.max_frame), address, timeout)
+
+    def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
+        """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
+        fetching consumer opened from ``host``, whose Welcome says where its data connections go."""
         try:
             end = time.monotonic() + timeout
             opening, nonce = handshake.hello(self.peer_id)
             offers = [(name, t.local_meta()) for name, t in self.transports.items()]
+            who = address or host
             challenge = ch.request(opening, timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
-            proof, key = handshake.answer(challenge, address, self.auth, nonce, self.layout, offers)
+            proof, key = handshake.answer(challenge, who, self.auth, nonce, self.layout, offers)
             welcome = ch.request(proof, remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
-            reply, remote, pairing = handshake.check_welcome(welcome, address, key, self.layout, list(self.transports))
+            reply, remote, pairing = handshake.check_welcome(welcome, who, key, self.layout, list(self.transports))
+            if address is None:
+                address = _data_address(reply.address, host)
             peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True, key=key)
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]
@@ -153,12 +180,39 @@ class Producer(HandleBase):
             s.alive = False
             if self._sessions.get(s.address) is s:
                 del self._sessions[s.address]
+            self._fetchers.discard(s)
             pending = list(s.transfers.values())
             s.transfers.clear()
         for t in pending:
             self._end(t, error)
         s.ch.close()
         s.transport.disconnect(s.peer.session)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self.closed:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._accepted, args=(sock, addr[0]), daemon=True, name="kvxfer-fetcher").start()
+
+    def _accepted(self, sock: socket.socket, host: str) -> None:
+        """A consumer connected to fetch: the same handshake, this side speaking first, then its session."""
+        sock.settimeout(self.connect_timeout)
+        try:
+            s = self._shake(Channel(sock, self.max_frame), None, self.connect_timeout, host)
+        except KVXferError as e:
+            log.info("kvxfer: fetching consumer from %s refused: %s", host, e)
+            close_socket(sock)
+            return
+        with self._lock:
+            if self.closed:
+                s.ch.close()
+                return
+            self._fetchers.add(s)
+        s.thread.start()
 
     # ---- submitting -------------------------------------------------------------------------------------
     def _start(self, kind: str, address: str, req: str, block_ids, deadline: float | None) -> Transfer:
@@ -291,20 +345,101 @@ class Producer(HandleBase):
             )
         )
 
+    def hold(
+        self,
+        req: str,
+        block_ids,
+        *,
+        lease: float | None = None,
+        meta: dict | None = None,
+        digests: bool = False,
+    ) -> Transfer:
+        """Keep ``block_ids`` readable as ``req`` until one consumer fetched them (``Consumer.fetch``) or the
+        lease runs out. ``ticket`` on the returned transfer is what that consumer needs (JSON-safe). The
+        transfer ends when the blocks are no longer read: fetched and confirmed (no error), the fetch failed,
+        the lease expired (``LeaseExpiredError``) or ``cancel``; only then may the caller reuse them."""
+        if self.address is None:
+            raise ConfigError("hold() needs a producer that listens (Producer(listen=...))")
+        seconds = self.lease if lease is None else lease
+        t = self._start("hold", self.address, req, block_ids, seconds)
+        t.meta = dict(meta or {})
+        t.digests = block_digests(self.layout, t.src_ids) if digests else b""
+        t.ticket = {
+            "address": self.address,
+            "request_id": t.req,
+            "num_blocks": len(t.src_ids),
+            "lease_expires": time.time() + seconds,
+            "fingerprint": self.layout.fingerprint_id,
+            "transports": list(self.transports),
+        }
+        with self._lock:
+            self._check_open()
+            if t.req in self._holds:
+                raise BlockError(f"request {t.req!r} is already held")
+            self._holds[t.req] = t
+        return t
+
+    def _fetch(self, s: _ProducerSession, msg: wire.Fetch) -> None:
+        """A consumer asks for blocks of a hold: offer them on its session, under what is left of the lease."""
+        error: KVXferError | None = None
+        with self._lock:
+            t = self._holds.get(msg.req)
+            if t is None or t.done():
+                error = StaleError(f"no hold for request {msg.req!r} (never held, fetched, expired or cancelled)")
+            elif t.fetcher is not None:
+                error = StaleError(f"request {msg.req!r} is already being fetched")
+            elif msg.num_blocks == 0 or msg.skip + msg.num_blocks > len(t.src_ids):
+                error = BlockError(
+                    f"request {msg.req!r}: blocks [{msg.skip}, {msg.skip + msg.num_blocks}) asked of a hold of "
+                    f"{len(t.src_ids)}"
+                )
+            elif msg.req in s.transfers:
+                error = BlockError(f"request {msg.req!r} is already in flight on this session")
+            else:
+                t.fetcher = s
+                s.transfers[t.req] = t
+        if error is not None:
+            s.send(wire.Error(req=msg.req, code=error.code, message=str(error), attempt=msg.attempt))
+            return
+        assert t is not None
+        now = time.monotonic()
+        ids = t.src_ids[msg.skip : msg.skip + msg.num_blocks]
+        seconds = max(0.0, t.deadline - now)
+        t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now).gen
+        t._mark(Status.MOVING, "admitted")
+        digests = t.digests[4 * msg.skip : 4 * (msg.skip + msg.num_blocks)]
+        s.send(
+            wire.Offer(
+                req=t.req,
+                gen=t.gen,
+                ids=wire.ids_to_bytes(ids),
+                lease_ms=ms(seconds),
+                meta=t.meta,
+                digests=digests,
+            )
+        )
+
     # ---- ending -----------------------------------------------------------------------------------------
+    def _session_of(self, t: Transfer) -> _ProducerSession | None:
+        if t.kind == "hold":
+            return t.fetcher
+        return self._sessions.get(t.address)
+
     def _end(self, t: Transfer, error: KVXferError | None, status: Status | None = None) -> None:
         with self._lock:
-            s = self._sessions.get(t.address)
+            s = self._session_of(t)
             if s is not None and s.transfers.get(t.req) is t:
                 del s.transfers[t.req]
-            if t.kind == "pull":
+            if t.kind in ("pull", "hold"):
                 self.leases.drop(t.req, t.gen)
+            if t.kind == "hold" and self._holds.get(t.req) is t:
+                del self._holds[t.req]
         if t._finish(error, status) and error is not None:
             log.debug("kvxfer %s %s failed: %s", t.kind, t.req, error)
 
     def _cancelled(self, t: Transfer, reason: str) -> None:
         with self._lock:
-            s = self._sessions.get(t.address)
+            s = self._session_of(t)
         self._end(t, t.error, Status.CANCELLED)
         if s is not None and s.alive:
             s.send(wire.Cancel(req=t.req, gen=t.gen, reason=reason))
@@ -316,10 +451,14 @@ class Producer(HandleBase):
 
     def _reap(self, now: float) -> None:
         with self._lock:
-            live = [(s, t) for s in self._sessions.values() for t in s.transfers.values()]
+            sessions = [*self._sessions.values(), *self._fetchers]
+            live = [(s, t) for s in sessions for t in s.transfers.values()]
+            unfetched = [t for t in self._holds.values() if t.fetcher is None and t.deadline <= now]
+        for t in unfetched:
+            self._end(t, LeaseExpiredError(f"hold of {t.req!r} expired: no consumer fetched it"))
         for s, t in live:
             if t.deadline <= now:
-                err = LeaseExpiredError if t.kind == "pull" else DeadlineError
+                err = LeaseExpiredError if t.kind in ("pull", "hold") else DeadlineError
                 busy = f" (the consumer stayed busy, {t.busy_retries} retries)" if t.busy_retries else ""
                 self._fail(
                     s, t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline while {t.status.value}{busy}")
@@ -330,6 +469,8 @@ class Producer(HandleBase):
 
     # ---- control messages -------------------------------------------------------------------------------
     def _on_message(self, s: _ProducerSession, msg) -> None:
+        if isinstance(msg, wire.Fetch):
+            return self._fetch(s, msg)
         req = getattr(msg, "req", "")
         with self._lock:
             t = s.transfers.get(req)
@@ -353,7 +494,7 @@ class Producer(HandleBase):
             self._end(t, CancelledError(f"consumer {s.address} cancelled {req!r}: {msg.reason}"), Status.CANCELLED)
         elif isinstance(msg, wire.Ack) and msg.gen == t.gen and t.status is Status.COMMITTING:
             self._end(t, None)
-        elif isinstance(msg, wire.Released) and t.kind == "pull":
+        elif isinstance(msg, wire.Released) and t.kind in ("pull", "hold"):
             self._released(s, t, msg)
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} for {req!r} while {t.status.value}")
@@ -429,6 +570,22 @@ class Producer(HandleBase):
             return
         with self._lock:
             sessions = list(self._sessions.values())
+        if self._listener is not None:
+            close_socket(self._listener)
+        with self._lock:
+            sessions += list(self._fetchers)
+            holds = list(self._holds.values())
         for s in sessions:
             self._session_lost(s, ClosedError("producer closed"))
+        for t in holds:
+            self._end(t, ClosedError("producer closed"))
         self._close_common()
+
+
+def _data_address(advertised: str, host: str) -> str:
+    """Where a fetching consumer's data connections go: the address its Welcome named, with an unspecified
+    host (it listens on every interface) replaced by the one it connected from."""
+    if not advertised:
+        raise ProtocolError("a fetching consumer must name its listening address in its welcome")
+    h, port = parse_address(advertised)
+    return f"{host if h in ('', '0.0.0.0', '::') else h}:{port}"

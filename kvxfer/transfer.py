@@ -63,6 +63,8 @@ class Transfer:
         self.retry_busy = False  # a Busy answer is retried after its retry_after, until the deadline
         self.retry_at = 0.0  # when the next admission attempt goes out (0: none pending)
         self.busy_retries = 0  # Busy answers retried so far
+        self.ticket: dict[str, Any] | None = None  # a hold: what a fetching consumer needs (JSON-safe)
+        self.fetcher: Any = None  # a hold: the session of the consumer fetching it
 
     def __repr__(self) -> str:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"

@@ -18,6 +18,10 @@ push   producer -> Admit(req, n[, senders, part, layers])  consumer -> Grant(req
        consumer -> Ack(req, gen)  once the bytes have landed (or Error)
 pull   producer -> Offer(req, gen, ids, lease)   consumer reads them into its own blocks
        consumer -> Released(req, gen)            producer -> Ack(req, gen) if the lease still held, else Error
+fetch  the consumer connects to a producer's listening address (the producer then speaks first: the same
+       handshake, the consumer's Welcome naming the address its data connections go to)
+       consumer -> Fetch(req, skip, n)          producer -> Offer of blocks [skip, skip + n) of its hold ``req``
+       (or Error), then as pull, into blocks the consumer's caller chose
 either Cancel(req, gen) from either side; Error(req, code, message) on any failure
 """
 
@@ -31,7 +35,7 @@ import numpy as np
 
 from .errors import BlockError, ProtocolError
 
-VERSION = 2  # 2: mutual authentication; the fingerprint names what every in-block dimension means; strict decoding
+VERSION = 3  # 2: mutual authentication, meaningful fingerprints, strict decoding; 3: fetch (consumer-initiated)
 MAX_FRAME = 64 << 20
 MAX_HANDSHAKE_FRAME = 1 << 20  # before both sides proved the token (a layout with 640 segments is ~9 KiB)
 MAX_SEGMENTS = 1 << 16
@@ -151,6 +155,7 @@ class Welcome(_Msg, tag="welcome"):
     transport: Name
     transport_meta: bytes = b""
     mac: Secret = b""
+    address: Name = ""  # a fetching consumer's listening address (its TCP data connections); "" on a push session
 
 
 class Admit(_Msg, tag="admit"):
@@ -194,6 +199,16 @@ class Offer(_Msg, tag="offer"):
     lease_ms: U63
     meta: Meta = {}
     digests: bytes = b""
+
+
+class Fetch(_Msg, tag="fetch"):
+    """Fetch, consumer -> producer: offer me blocks ``[skip, skip + num_blocks)`` of your hold ``req``. The
+    answer is an ``Offer`` (then the pull goes on as any other) or an ``Error`` naming ``attempt``."""
+
+    req: str
+    num_blocks: U32
+    skip: U32 = 0
+    attempt: U63 = 0
 
 
 class Done(_Msg, tag="done"):
@@ -286,6 +301,7 @@ Message = (
     | Grant
     | Busy
     | Offer
+    | Fetch
     | Done
     | Released
     | Ack
