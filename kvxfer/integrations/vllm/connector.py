@@ -13,8 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ...producer import Producer
 from ...consumer import Consumer
+from ...producer import Producer
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
 from .scheduler import KVXferScheduler
 from .settings import Settings

@@ -68,5 +68,7 @@ class KVXferWorkerMetadata(KVConnectorWorkerMetadata):
                 old = merged.get(req)
                 if old is None or old[0] < attempt or (old[0] == attempt and status != "done"):
                     merged[req] = (attempt, status, error)
-            return KVXferWorkerMetadata(merged, {**self.fetched, **other.fetched}, self.fingerprint or other.fingerprint)
+            return KVXferWorkerMetadata(
+                merged, {**self.fetched, **other.fetched}, self.fingerprint or other.fingerprint
+            )
         return self

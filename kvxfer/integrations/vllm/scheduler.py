@@ -122,7 +122,7 @@ class KVXferScheduler:
             if claim.kind in (FETCH, NONE):
                 self._alloc_fetch(request, claim, blocks, num_external_tokens)
                 return
-            if not self.produce and not claim.error:
+            if not self.produce:
                 claim.error = "this instance's kv_role does not produce (kv_producer or kv_both does)"
             if claim.error:
                 log.warning("kvxfer: request %s: %s; its KV will not be shipped", rid, claim.error)
@@ -280,11 +280,11 @@ class KVXferScheduler:
             "block_size": self.block_size,
             "digests": c.digests,
         }
-        if c.kind == HOLD:
+        if c.kind == HOLD and st.attempt:
             info.update(address=self.settings.listen, lease_expires=st.lease_expires, transport=self.settings.transport)
             if self.fingerprint:
                 info["fingerprint"] = self.fingerprint
-        else:
+        elif c.kind != HOLD:
             info["consumer"] = c.consumer
         if st.inflight:
             # The transfer may still read these blocks: vLLM holds them until the worker reports the request

@@ -186,7 +186,7 @@ class KVXferWorker:
                 connect_timeout=s.connect_timeout,
                 transport_options=s.transport_options,
                 workers=s.producer_workers,
-                **({"listen": s.listen} if s.listen else {}),
+                listen=s.listen or None,
             )
         if self.fetch:
             # fetches land in blocks vLLM chose: the allocator grants nothing, so unsolicited pushes are Busy
@@ -300,10 +300,13 @@ class KVXferWorker:
                 raise ClosedError("no KV cache registered (sleeping or shut down)")
             # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
             if o.block_size != self.block_size:
-                raise IncompatibleError(f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}")
+                raise IncompatibleError(
+                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}"
+                )
             if o.fingerprint and o.fingerprint != layout.fingerprint_id:
                 raise IncompatibleError(
-                    f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's {layout.fingerprint_id}"
+                    f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's "
+                    f"{layout.fingerprint_id}"
                 )
             remaining = min(o.deadline - (time.monotonic() - fe.t0), o.lease_expires - time.time())
             if remaining <= 0:
@@ -338,7 +341,9 @@ class KVXferWorker:
             self.stats.record("fetch", ok=True, nbytes=t.nbytes, seconds=_moving(t))
             self._ended[rid] = (1, "done", None)
             self._fetched[rid] = {"nbytes": int(t.nbytes), "seconds": round(seconds, 6)}
-            log.debug("kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds)
+            log.debug(
+                "kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds
+            )
             return
         self.stats.record("fetch", ok=False)
         status = "cancelled" if isinstance(error, CancelledError) else "failed"
@@ -348,7 +353,13 @@ class KVXferWorker:
         # vLLM recomputes these blocks or fails the request (kv_load_failure_policy)
         self._load_errors.update(o.block_ids)
         log.warning(
-            "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s", rid, o.transfer_id, o.address, status, seconds, msg
+            "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s",
+            rid,
+            o.transfer_id,
+            o.address,
+            status,
+            seconds,
+            msg,
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
