@@ -68,12 +68,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def multi_ktc(extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None) -> KVTransferConfig:
+def multi_ktc(
+    extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None, role: str = "kv_producer"
+) -> KVTransferConfig:
     children = [
         {
             "kv_connector": "KVXferConnector",
             "kv_connector_module_path": MODULE,
-            "kv_role": "kv_producer",
+            "kv_role": role,
             "kv_connector_extra_config": extra,
         }
     ]
@@ -81,13 +83,15 @@ def multi_ktc(extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None)
         children.append(
             {
                 "kv_connector": "NixlConnector",
-                "kv_role": "kv_producer",
+                "kv_role": role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": dict(nixl_extra or {}),
             }
         )
     return KVTransferConfig(
-        kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={"connectors": children}
+        kv_connector="MultiConnector",
+        kv_role=role,  # type: ignore[arg-type]
+        kv_connector_extra_config={"connectors": children},
     )
 
 
