@@ -105,6 +105,34 @@ def test_pd_round_trip_moves_real_bytes(vh, engines, transport):
     assert ps["hold"]["transfers"] == 4 and ps["hold"]["failures"] == 0
     reduced = d.stats.reduce()
     assert reduced["kvxfer_fetch_transfers"] == 4 and reduced["kvxfer_fetch_GB/s"] > 0
+    _through_vllm_logging_and_prometheus(d, total)
+
+
+def _through_vllm_logging_and_prometheus(d, total: int) -> None:
+    """The stats dict as vLLM's logger process gets it: its periodic log line and its Prometheus counters."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    lines = []
+    logging_ = KVConnectorLogging(d.vc.kv_transfer_config)
+    logging_.observe(d.stats.to_dict())
+    logging_.log(lambda fmt, *a: lines.append(fmt % a))
+    assert len(lines) == 1 and "kvxfer_fetch_transfers=4" in lines[0] and "kvxfer_fetch_failures=0" in lines[0]
+
+    registry = CollectorRegistry()
+
+    class Prom(KVConnectorProm):
+        _gauge_cls = functools.partial(Gauge, registry=registry)
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    prom = Prom(d.vc, ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe(d.stats.to_dict(), 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvxfer_fetch_bytes_total", labels) == total
+    assert registry.get_sample_value("vllm:kvxfer_fetch_transfers_total", labels) == 4
 
 
 def test_decode_side_prefix_hit_fetches_only_the_rest(vh, engines):

@@ -70,8 +70,9 @@ def _moving(t: Transfer | None) -> float:
     """Seconds the bytes of a transfer moved (a hold's wait for its fetch is not transfer time)."""
     if t is None:
         return 0.0
+    end = t.timings.get("moved", t.timings.get("completed", t.timings["submitted"]))
     start = t.timings.get("admitted", t.timings["submitted"])
-    return max(0.0, t.timings.get("moved", t.timings.get("completed", start)) - start)
+    return end - start if end > start else max(0.0, end - t.timings["submitted"])
 
 
 class _Fetching:
