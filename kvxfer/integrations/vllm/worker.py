@@ -541,6 +541,8 @@ class KVXferWorker:
         return (sending or None), (recving or None)
 
     def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
+        # The layout id goes to the scheduler here, not through get_handshake_metadata: MultiConnector forwards
+        # only its first child's handshake metadata, which would hide NixlConnector's when this child comes first.
         fp = ""
         with self._lock:
             if not self._fingerprint_told and self.layout is not None and self.produce:
