@@ -275,3 +275,28 @@ def test_abort_while_fetching_frees_the_blocks(vh, engines):
     d.assert_no_leaks()
     p.run()
     p.assert_no_leaks()
+
+
+def test_unmappable_allocation_still_reports_the_request(vh, engines):
+    """If vLLM's allocation does not match the ticket (here: one external token fewer than reported), the request
+    waiting for remote KV is still reported in finished_recving, with its blocks as load errors, never left
+    waiting forever."""
+    p, d = _pair(vh, engines, "tcp", policy="recompute")
+    t = _prefill(vh, p, "p-u", 40, seed=7)
+    conn = d.kvxfer
+    orig = conn.update_state_after_alloc
+
+    def skewed(request, blocks, n):
+        orig(request, blocks, n - 1 if n else n)
+
+    conn.update_state_after_alloc = skewed
+    d.add(vh.make_request("d-u", 40, 1, t, seed=7))
+    d.run()
+    assert d.finished_recving == {"d-u": 1} and d.load_errors
+    r = d.outputs["d-u"]["kv_transfer_params"]["kvxfer"]
+    assert r["status"] == "failed" and "internal" in r["error"], r
+    assert d.first_computed["d-u"] == 0 and d.outputs["d-u"]["tokens"] == 1
+    d.assert_no_leaks()
+    p.worker.kvxfer.connector_worker.unregister_kv_caches()
+    p.run()
+    p.assert_no_leaks()

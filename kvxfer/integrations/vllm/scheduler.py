@@ -44,6 +44,7 @@ class _Fetch:
     block_ids: list[int] = field(default_factory=list)  # ours, for held blocks [skip, skip + len)
     to_order: bool = False
     ordered: bool = False
+    error: str = ""  # the blocks could not be mapped: the worker fails the order at once
     outcome: tuple[str, str | None] | None = None  # (status, error) once the fetch ended, or why none ran
     info: dict = field(default_factory=dict)  # nbytes, seconds of the fetch
 
@@ -101,13 +102,12 @@ class KVXferScheduler:
         ids = blocks.get_block_ids()
         table = list(ids[0]) if ids else []
         n = math.ceil(f.held_tokens / self.block_size)
-        if local < 0 or local % self.block_size or len(table) < n:
-            f.outcome = ("failed", f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks")
-            log.error("kvxfer: request %s: %s", rid, f.outcome[1])
-            return
-        f.skip = local // self.block_size
+        f.skip = max(0, local) // self.block_size
         f.block_ids = table[f.skip : n]
-        f.to_order = True
+        f.to_order = True  # vLLM now waits for this request's finished_recving, whatever happens
+        if local < 0 or local % self.block_size or len(table) < n:
+            f.error = f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks"
+            log.error("kvxfer: request %s: %s", rid, f.error)
 
     # ---- both roles --------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -188,6 +188,7 @@ class KVXferScheduler:
             fingerprint=t.fingerprint,
             lease_expires=t.lease_expires,
             deadline=f.claim.deadline,
+            error=f.error,
         )
 
     def _maybe_order(

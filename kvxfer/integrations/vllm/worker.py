@@ -299,6 +299,8 @@ class KVXferWorker:
             consumer, layout = self.consumer, self.layout
             if consumer is None or layout is None:
                 raise ClosedError("no KV cache registered (sleeping or shut down)")
+            if o.error:
+                raise KVXferError(o.error)
             # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
             if o.block_size != self.block_size:
                 raise IncompatibleError(
@@ -472,23 +474,24 @@ class KVXferWorker:
             sh.state, sh.error = status, error
         dt = time.monotonic() - sh.t0
         t = sh.transfer
+        where = o.consumer or "the consumer fetching its hold"
         if status == "done":
             log.debug(
                 "kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
                 o.req_id,
                 len(o.block_ids),
                 t.nbytes if t else 0,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
             )
         elif status == "cancelled":
-            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, o.consumer, dt, error)
+            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, where, dt, error)
         else:
             log.warning(
                 "kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s",
                 o.req_id,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
                 error,
