@@ -13,17 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ...producer import Producer
 from ...consumer import Consumer
+from ...producer import Producer
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
 from .scheduler import KVXferScheduler
 from .settings import Settings
-from .stats import KVXferStats
+from .stats import KVXferPromMetrics, KVXferStats
 from .worker import KVXferWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -80,6 +81,16 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVXferStats | None:
         return KVXferStats(data=data) if data is not None else KVXferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVXferPromMetrics:
+        return KVXferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side ----------------------------------------------------------------------------------
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:

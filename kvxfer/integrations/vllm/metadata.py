@@ -42,6 +42,7 @@ class FetchOrder:
     fingerprint: str  # the ticket's layout id ("" when the prefill did not know it)
     lease_expires: float
     deadline: float  # seconds from the order
+    error: str = ""  # the scheduler could not map the blocks: fail at once (the request still waits for a report)
 
 
 @dataclass
@@ -68,5 +69,7 @@ class KVXferWorkerMetadata(KVConnectorWorkerMetadata):
                 old = merged.get(req)
                 if old is None or old[0] < attempt or (old[0] == attempt and status != "done"):
                     merged[req] = (attempt, status, error)
-            return KVXferWorkerMetadata(merged, {**self.fetched, **other.fetched}, self.fingerprint or other.fingerprint)
+            return KVXferWorkerMetadata(
+                merged, {**self.fetched, **other.fetched}, self.fingerprint or other.fingerprint
+            )
         return self

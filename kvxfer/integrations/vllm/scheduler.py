@@ -44,6 +44,7 @@ class _Fetch:
     block_ids: list[int] = field(default_factory=list)  # ours, for held blocks [skip, skip + len)
     to_order: bool = False
     ordered: bool = False
+    error: str = ""  # the blocks could not be mapped: the worker fails the order at once
     outcome: tuple[str, str | None] | None = None  # (status, error) once the fetch ended, or why none ran
     info: dict = field(default_factory=dict)  # nbytes, seconds of the fetch
 
@@ -101,13 +102,12 @@ class KVXferScheduler:
         ids = blocks.get_block_ids()
         table = list(ids[0]) if ids else []
         n = math.ceil(f.held_tokens / self.block_size)
-        if local < 0 or local % self.block_size or len(table) < n:
-            f.outcome = ("failed", f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks")
-            log.error("kvxfer: request %s: %s", rid, f.outcome[1])
-            return
-        f.skip = local // self.block_size
+        f.skip = max(0, local) // self.block_size
         f.block_ids = table[f.skip : n]
-        f.to_order = True
+        f.to_order = True  # vLLM now waits for this request's finished_recving, whatever happens
+        if local < 0 or local % self.block_size or len(table) < n:
+            f.error = f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks"
+            log.error("kvxfer: request %s: %s", rid, f.error)
 
     # ---- both roles --------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -122,7 +122,7 @@ class KVXferScheduler:
             if claim.kind in (FETCH, NONE):
                 self._alloc_fetch(request, claim, blocks, num_external_tokens)
                 return
-            if not self.produce and not claim.error:
+            if not self.produce:
                 claim.error = "this instance's kv_role does not produce (kv_producer or kv_both does)"
             if claim.error:
                 log.warning("kvxfer: request %s: %s; its KV will not be shipped", rid, claim.error)
@@ -188,6 +188,7 @@ class KVXferScheduler:
             fingerprint=t.fingerprint,
             lease_expires=t.lease_expires,
             deadline=f.claim.deadline,
+            error=f.error,
         )
 
     def _maybe_order(
@@ -280,11 +281,11 @@ class KVXferScheduler:
             "block_size": self.block_size,
             "digests": c.digests,
         }
-        if c.kind == HOLD:
+        if c.kind == HOLD and st.attempt:
             info.update(address=self.settings.listen, lease_expires=st.lease_expires, transport=self.settings.transport)
             if self.fingerprint:
                 info["fingerprint"] = self.fingerprint
-        else:
+        elif c.kind != HOLD:
             info["consumer"] = c.consumer
         if st.inflight:
             # The transfer may still read these blocks: vLLM holds them until the worker reports the request

@@ -70,8 +70,9 @@ def _moving(t: Transfer | None) -> float:
     """Seconds the bytes of a transfer moved (a hold's wait for its fetch is not transfer time)."""
     if t is None:
         return 0.0
+    end = t.timings.get("moved", t.timings.get("completed", t.timings["submitted"]))
     start = t.timings.get("admitted", t.timings["submitted"])
-    return max(0.0, t.timings.get("moved", t.timings.get("completed", start)) - start)
+    return end - start if end > start else max(0.0, end - t.timings["submitted"])
 
 
 class _Fetching:
@@ -186,7 +187,7 @@ class KVXferWorker:
                 connect_timeout=s.connect_timeout,
                 transport_options=s.transport_options,
                 workers=s.producer_workers,
-                **({"listen": s.listen} if s.listen else {}),
+                listen=s.listen or None,
             )
         if self.fetch:
             # fetches land in blocks vLLM chose: the allocator grants nothing, so unsolicited pushes are Busy
@@ -298,12 +299,17 @@ class KVXferWorker:
             consumer, layout = self.consumer, self.layout
             if consumer is None or layout is None:
                 raise ClosedError("no KV cache registered (sleeping or shut down)")
+            if o.error:
+                raise KVXferError(o.error)
             # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
             if o.block_size != self.block_size:
-                raise IncompatibleError(f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}")
+                raise IncompatibleError(
+                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}"
+                )
             if o.fingerprint and o.fingerprint != layout.fingerprint_id:
                 raise IncompatibleError(
-                    f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's {layout.fingerprint_id}"
+                    f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's "
+                    f"{layout.fingerprint_id}"
                 )
             remaining = min(o.deadline - (time.monotonic() - fe.t0), o.lease_expires - time.time())
             if remaining <= 0:
@@ -338,7 +344,9 @@ class KVXferWorker:
             self.stats.record("fetch", ok=True, nbytes=t.nbytes, seconds=_moving(t))
             self._ended[rid] = (1, "done", None)
             self._fetched[rid] = {"nbytes": int(t.nbytes), "seconds": round(seconds, 6)}
-            log.debug("kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds)
+            log.debug(
+                "kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds
+            )
             return
         self.stats.record("fetch", ok=False)
         status = "cancelled" if isinstance(error, CancelledError) else "failed"
@@ -348,7 +356,13 @@ class KVXferWorker:
         # vLLM recomputes these blocks or fails the request (kv_load_failure_policy)
         self._load_errors.update(o.block_ids)
         log.warning(
-            "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s", rid, o.transfer_id, o.address, status, seconds, msg
+            "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s",
+            rid,
+            o.transfer_id,
+            o.address,
+            status,
+            seconds,
+            msg,
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -460,23 +474,24 @@ class KVXferWorker:
             sh.state, sh.error = status, error
         dt = time.monotonic() - sh.t0
         t = sh.transfer
+        where = o.consumer or "the consumer fetching its hold"
         if status == "done":
             log.debug(
                 "kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
                 o.req_id,
                 len(o.block_ids),
                 t.nbytes if t else 0,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
             )
         elif status == "cancelled":
-            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, o.consumer, dt, error)
+            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, where, dt, error)
         else:
             log.warning(
                 "kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s",
                 o.req_id,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
                 error,
@@ -529,6 +544,8 @@ class KVXferWorker:
         return (sending or None), (recving or None)
 
     def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
+        # The layout id goes to the scheduler here, not through get_handshake_metadata: MultiConnector forwards
+        # only its first child's handshake metadata, which would hide NixlConnector's when this child comes first.
         fp = ""
         with self._lock:
             if not self._fingerprint_told and self.layout is not None and self.produce:
