@@ -332,7 +332,11 @@ class Consumer(HandleBase):
         s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:
             self._sessions[s.sid] = s
-        ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key, address))
+        try:
+            ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key, address))
+        except KVXferError as e:  # the peer left mid-handshake: the session never was
+            self._session_lost(s, e)
+            raise
         return s
 
     def _session_lost(self, s: _ConsumerSession, error: KVXferError, gone: bool = True) -> None:

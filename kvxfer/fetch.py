@@ -120,13 +120,14 @@ class Fetches:
             return s
 
     def _ask(self, f: Fetch) -> None:
-        if f.cancel_event.is_set() or f.done():
+        if f.done() and not f.cancel_event.is_set():
             return
         try:
             s = self._session(f.address, f.deadline)
             with self.lock:
-                if f.cancel_event.is_set():
-                    return  # cancelled meanwhile: _cancelled ended it
+                if f.cancel_event.is_set():  # cancelled before it was asked: the producer may drop the hold
+                    s.send(wire.Cancel(req=f.req, gen=0, reason="fetch cancelled"))
+                    return
                 if not s.alive:
                     raise PeerError(f"producer {f.address} closed the session")
                 f.session = s

@@ -6,6 +6,7 @@ worker pool so ``push``, ``offer`` and ``hold`` return at once with a ``Transfer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -154,6 +155,7 @@ class Producer(HandleBase):
     def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
         """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
         fetching consumer opened from ``host``, whose Welcome says where its data connections go."""
+        accepted = address is None
         try:
             end = time.monotonic() + timeout
             opening, nonce = handshake.hello(self.peer_id)
@@ -169,7 +171,10 @@ class Producer(HandleBase):
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]
             return _ProducerSession(self, address, ch, peer, transport, transport.connect(peer), challenge.peer_id)
-        except BaseException:
+        except BaseException as e:
+            if accepted and isinstance(e, KVXferError) and not isinstance(e, PeerError):
+                with contextlib.suppress(KVXferError):  # say why, as a consumer refusing a producer does
+                    ch.send(wire.Error(req="", code=e.code, message=str(e)))
             ch.close()
             raise
 
@@ -205,7 +210,6 @@ class Producer(HandleBase):
             s = self._shake(Channel(sock, self.max_frame), None, self.connect_timeout, host)
         except KVXferError as e:
             log.info("kvxfer: fetching consumer from %s refused: %s", host, e)
-            close_socket(sock)
             return
         with self._lock:
             if self.closed:
@@ -447,7 +451,10 @@ class Producer(HandleBase):
     def _fail(self, s: _ProducerSession, t: Transfer, error: KVXferError, tell: bool = True) -> None:
         self._end(t, error)
         if tell and s.alive:
-            s.send(wire.Cancel(req=t.req, gen=t.gen, reason=str(error)))
+            if t.kind == "push":
+                s.send(wire.Cancel(req=t.req, gen=t.gen, reason=str(error)))
+            else:  # a reader learns why its lease ended (LeaseExpiredError), not just that it did
+                s.send(wire.Error(req=t.req, gen=t.gen, code=error.code, message=str(error)))
 
     def _reap(self, now: float) -> None:
         with self._lock:
@@ -477,6 +484,13 @@ class Producer(HandleBase):
         if isinstance(msg, wire.Error) and not req:
             raise from_code(msg.code, msg.message)
         if t is None:
+            if isinstance(msg, wire.Cancel):  # a consumer that will not fetch after all: the hold ends now
+                with self._lock:
+                    hold = self._holds.get(req)
+                if hold is not None and hold.fetcher is None:
+                    self._end(
+                        hold, CancelledError(f"consumer {s.address} cancelled {req!r}: {msg.reason}"), Status.CANCELLED
+                    )
             return  # a late answer for a transfer that already ended
         if getattr(msg, "attempt", 0) and msg.attempt != t.attempt:
             return  # the answer to an earlier attempt of the same request id
