@@ -185,6 +185,12 @@ class Consumer(HandleBase):
         with a typed error, and in both cases only when no byte can land in ``block_ids`` any more."""
         return self.fetches.start(address, req, block_ids, skip, deadline)
 
+    def decline(self, address: str, req: str, reason: str = "not needed") -> None:
+        """Tell the producer at ``address`` that its hold ``req`` will not be fetched, so it frees the blocks
+        now rather than at the end of the lease (say, a local prefix-cache hit covered the whole prompt).
+        Best effort and in the background; returns at once."""
+        self.fetches.decline(address, req, reason)
+
     def state(self, req: str) -> str | None:
         """Where ``req`` stands (``Grants.phase``): ``"receiving"``, ``"ready"``, ``"failed"`` or ``None``, so
         a runtime waiting for it can give up at once."""

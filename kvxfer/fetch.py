@@ -8,6 +8,8 @@ the same ledger (a slot over the caller's blocks, ``external``), lease, deadline
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -33,6 +35,8 @@ from .transfer import Status, Transfer
 if TYPE_CHECKING:
     from .consumer import Consumer, _ConsumerSession
     from .ledger import Slot
+
+log = logging.getLogger("kvxfer")
 
 
 class Fetch(Transfer):
@@ -87,6 +91,23 @@ class Fetches:
         except RuntimeError:  # the pool shut down: the consumer closed
             self.end(f, ClosedError("consumer closed"))
         return f
+
+    def decline(self, address: str, req: str, reason: str) -> None:
+        """Tell the producer at ``address`` that its hold ``req`` will not be fetched (best effort, in the
+        background: its lease frees the blocks anyway)."""
+        c = self.c
+        c._check_open()
+        parse_address(address)
+
+        def tell() -> None:
+            try:
+                s = self._session(address, time.monotonic() + c.handshake_timeout)
+                s.send(wire.Cancel(req=str(req), gen=0, reason=reason))
+            except KVXferError as e:
+                log.info("kvxfer: could not decline %r at %s: %s", req, address, e)
+
+        with contextlib.suppress(RuntimeError):  # the pool shut down: closed meanwhile, nothing to tell
+            c.pool.submit(tell)
 
     # ---- the session and the ask ------------------------------------------------------------------------
     def _session(self, address: str, deadline: float) -> _ConsumerSession:

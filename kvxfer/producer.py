@@ -44,6 +44,7 @@ from .transports.base import Peer, Transport
 log = logging.getLogger("kvxfer")
 
 VERDICT_WAIT = 0.25  # how long a broken data connection waits for the control connection to say why
+QUIET_WAIT = 10.0  # how long an ended session's control connection stays open for its moves to return
 
 
 class _ProducerSession:
@@ -59,7 +60,14 @@ class _ProducerSession:
         self.remote_id = remote_id
         self.transfers: dict[str, Transfer] = {}
         self.alive = True
+        self.moving = 0  # moves (Link.write) in progress on this session
+        self.quiet = threading.Condition()
         self.thread = threading.Thread(target=self._read_loop, daemon=True, name=f"kvxfer-producer-{address}")
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait until no move of this session is in progress (a cancelled one returns within a poll)."""
+        with self.quiet:
+            return self.quiet.wait_for(lambda: self.moving == 0, timeout)
 
     def send(self, msg) -> None:
         try:
@@ -190,6 +198,16 @@ class Producer(HandleBase):
             s.transfers.clear()
         for t in pending:
             self._end(t, error)
+        # The consumer takes a closed control connection to mean that nothing of ours writes any more (it frees
+        # quarantined blocks at once): close it only once every move of the session returned.
+        if s.moving:
+            threading.Thread(target=self._close_when_quiet, args=(s,), daemon=True, name="kvxfer-close").start()
+        else:
+            self._close_when_quiet(s)
+
+    def _close_when_quiet(self, s: _ProducerSession) -> None:
+        if not s.wait_quiet(QUIET_WAIT):
+            log.warning("kvxfer: a move to %s still runs %gs after its session ended", s.address, QUIET_WAIT)
         s.ch.close()
         s.transport.disconnect(s.peer.session)
 
@@ -535,6 +553,8 @@ class Producer(HandleBase):
         granted = t.dst_ids
         assert granted is not None  # _granted set it before submitting this move
         dst = granted if t.override is None else t.override
+        with s.quiet:
+            s.moving += 1
         try:
             if s.transport.one_sided and not np.array_equal(dst, granted):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
@@ -552,6 +572,10 @@ class Producer(HandleBase):
             return self._fail(s, t, e)
         except Exception as e:
             return self._fail(s, t, PeerError(f"write failed: {e!r}"))
+        finally:
+            with s.quiet:
+                s.moving -= 1
+                s.quiet.notify_all()
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
@@ -593,6 +617,8 @@ class Producer(HandleBase):
             self._session_lost(s, ClosedError("producer closed"))
         for t in holds:
             self._end(t, ClosedError("producer closed"))
+        for s in sessions:  # the transports go only once nothing moves through them
+            s.wait_quiet(QUIET_WAIT)
         self._close_common()
 
 

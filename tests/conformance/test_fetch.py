@@ -243,3 +243,16 @@ def test_hold_needs_listen_and_refuses_duplicates(transport):
             p.hold("r", [2], lease=5)
         with pytest.raises(BlockError):
             p.hold("s", [64], lease=5)
+
+
+def test_a_declined_hold_ends_at_once(consumers, producers):
+    """A decode side that will not fetch after all (its prefix cache had the prompt) frees the prefill's blocks
+    now, not at the end of the lease."""
+    c = _fetcher(consumers, Spec())
+    p = producers(Spec(), seed=1, **LISTEN)
+    p.keep("unneeded", [1, 2], lease=30)
+    start = time.monotonic()
+    c.decline(p.address, "unneeded", "local prefix-cache hit")
+    ended = wait_for(lambda: (e := p.ended("unneeded"))["done"] and e, 5)
+    assert ended["error"] == CancelledError.__name__ and time.monotonic() - start < 5
+    assert isinstance(c.fetch(p.address, "unneeded", [1, 2]).exception(10), StaleError)
