@@ -185,6 +185,12 @@ class Consumer(HandleBase):
         with a typed error, and in both cases only when no byte can land in ``block_ids`` any more."""
         return self.fetches.start(address, req, block_ids, skip, deadline)
 
+    def decline(self, address: str, req: str, reason: str = "not needed") -> None:
+        """Tell the producer at ``address`` that its hold ``req`` will not be fetched, so it frees the blocks
+        now rather than at the end of the lease (say, a local prefix-cache hit covered the whole prompt).
+        Best effort and in the background; returns at once."""
+        self.fetches.decline(address, req, reason)
+
     def state(self, req: str) -> str | None:
         """Where ``req`` stands (``Grants.phase``): ``"receiving"``, ``"ready"``, ``"failed"`` or ``None``, so
         a runtime waiting for it can give up at once."""
@@ -332,7 +338,11 @@ class Consumer(HandleBase):
         s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:
             self._sessions[s.sid] = s
-        ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key, address))
+        try:
+            ch.send(handshake.welcome(s.sid, self.layout, name, s.transport.local_meta(), key, address))
+        except KVXferError as e:  # the peer left mid-handshake: the session never was
+            self._session_lost(s, e)
+            raise
         return s
 
     def _session_lost(self, s: _ConsumerSession, error: KVXferError, gone: bool = True) -> None:

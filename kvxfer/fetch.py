@@ -8,6 +8,8 @@ the same ledger (a slot over the caller's blocks, ``external``), lease, deadline
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -33,6 +35,8 @@ from .transfer import Status, Transfer
 if TYPE_CHECKING:
     from .consumer import Consumer, _ConsumerSession
     from .ledger import Slot
+
+log = logging.getLogger("kvxfer")
 
 
 class Fetch(Transfer):
@@ -88,6 +92,23 @@ class Fetches:
             self.end(f, ClosedError("consumer closed"))
         return f
 
+    def decline(self, address: str, req: str, reason: str) -> None:
+        """Tell the producer at ``address`` that its hold ``req`` will not be fetched (best effort, in the
+        background: its lease frees the blocks anyway)."""
+        c = self.c
+        c._check_open()
+        parse_address(address)
+
+        def tell() -> None:
+            try:
+                s = self._session(address, time.monotonic() + c.handshake_timeout)
+                s.send(wire.Cancel(req=str(req), gen=0, reason=reason))
+            except KVXferError as e:
+                log.info("kvxfer: could not decline %r at %s: %s", req, address, e)
+
+        with contextlib.suppress(RuntimeError):  # the pool shut down: closed meanwhile, nothing to tell
+            c.pool.submit(tell)
+
     # ---- the session and the ask ------------------------------------------------------------------------
     def _session(self, address: str, deadline: float) -> _ConsumerSession:
         with self.lock:
@@ -120,13 +141,14 @@ class Fetches:
             return s
 
     def _ask(self, f: Fetch) -> None:
-        if f.cancel_event.is_set() or f.done():
+        if f.done() and not f.cancel_event.is_set():
             return
         try:
             s = self._session(f.address, f.deadline)
             with self.lock:
-                if f.cancel_event.is_set():
-                    return  # cancelled meanwhile: _cancelled ended it
+                if f.cancel_event.is_set():  # cancelled before it was asked: the producer may drop the hold
+                    s.send(wire.Cancel(req=f.req, gen=0, reason="fetch cancelled"))
+                    return
                 if not s.alive:
                     raise PeerError(f"producer {f.address} closed the session")
                 f.session = s

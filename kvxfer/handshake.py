@@ -139,6 +139,8 @@ def check_proof(
 ) -> tuple[KVLayout, Pairing, str, bytes, bytes]:
     """Consumer: the producer proved the token; returns its layout, the pairing (side ``a`` the producer's), the
     first offered transport we have, its metadata, and the session key."""
+    if isinstance(msg, wire.Error):  # a producer a fetching consumer connected to refused it
+        raise from_code(msg.code, f"producer refused the handshake: {msg.message}")
     if not isinstance(msg, wire.Proof):
         raise ProtocolError(f"expected proof, got {type(msg).__name__}")
     expected = _mac(

@@ -6,6 +6,7 @@ worker pool so ``push``, ``offer`` and ``hold`` return at once with a ``Transfer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
@@ -43,6 +44,7 @@ from .transports.base import Peer, Transport
 log = logging.getLogger("kvxfer")
 
 VERDICT_WAIT = 0.25  # how long a broken data connection waits for the control connection to say why
+QUIET_WAIT = 10.0  # how long an ended session's control connection stays open for its moves to return
 
 
 class _ProducerSession:
@@ -58,7 +60,14 @@ class _ProducerSession:
         self.remote_id = remote_id
         self.transfers: dict[str, Transfer] = {}
         self.alive = True
+        self.moving = 0  # moves (Link.write) in progress on this session
+        self.quiet = threading.Condition()
         self.thread = threading.Thread(target=self._read_loop, daemon=True, name=f"kvxfer-producer-{address}")
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait until no move of this session is in progress (a cancelled one returns within a poll)."""
+        with self.quiet:
+            return self.quiet.wait_for(lambda: self.moving == 0, timeout)
 
     def send(self, msg) -> None:
         try:
@@ -154,6 +163,7 @@ class Producer(HandleBase):
     def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
         """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
         fetching consumer opened from ``host``, whose Welcome says where its data connections go."""
+        accepted = address is None
         try:
             end = time.monotonic() + timeout
             opening, nonce = handshake.hello(self.peer_id)
@@ -169,7 +179,10 @@ class Producer(HandleBase):
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]
             return _ProducerSession(self, address, ch, peer, transport, transport.connect(peer), challenge.peer_id)
-        except BaseException:
+        except BaseException as e:
+            if accepted and isinstance(e, KVXferError) and not isinstance(e, PeerError):
+                with contextlib.suppress(KVXferError):  # say why, as a consumer refusing a producer does
+                    ch.send(wire.Error(req="", code=e.code, message=str(e)))
             ch.close()
             raise
 
@@ -185,6 +198,16 @@ class Producer(HandleBase):
             s.transfers.clear()
         for t in pending:
             self._end(t, error)
+        # The consumer takes a closed control connection to mean that nothing of ours writes any more (it frees
+        # quarantined blocks at once): close it only once every move of the session returned.
+        if s.moving:
+            threading.Thread(target=self._close_when_quiet, args=(s,), daemon=True, name="kvxfer-close").start()
+        else:
+            self._close_when_quiet(s)
+
+    def _close_when_quiet(self, s: _ProducerSession) -> None:
+        if not s.wait_quiet(QUIET_WAIT):
+            log.warning("kvxfer: a move to %s still runs %gs after its session ended", s.address, QUIET_WAIT)
         s.ch.close()
         s.transport.disconnect(s.peer.session)
 
@@ -205,7 +228,6 @@ class Producer(HandleBase):
             s = self._shake(Channel(sock, self.max_frame), None, self.connect_timeout, host)
         except KVXferError as e:
             log.info("kvxfer: fetching consumer from %s refused: %s", host, e)
-            close_socket(sock)
             return
         with self._lock:
             if self.closed:
@@ -447,7 +469,10 @@ class Producer(HandleBase):
     def _fail(self, s: _ProducerSession, t: Transfer, error: KVXferError, tell: bool = True) -> None:
         self._end(t, error)
         if tell and s.alive:
-            s.send(wire.Cancel(req=t.req, gen=t.gen, reason=str(error)))
+            if t.kind == "push":
+                s.send(wire.Cancel(req=t.req, gen=t.gen, reason=str(error)))
+            else:  # a reader learns why its lease ended (LeaseExpiredError), not just that it did
+                s.send(wire.Error(req=t.req, gen=t.gen, code=error.code, message=str(error)))
 
     def _reap(self, now: float) -> None:
         with self._lock:
@@ -477,6 +502,13 @@ class Producer(HandleBase):
         if isinstance(msg, wire.Error) and not req:
             raise from_code(msg.code, msg.message)
         if t is None:
+            if isinstance(msg, wire.Cancel):  # a consumer that will not fetch after all: the hold ends now
+                with self._lock:
+                    hold = self._holds.get(req)
+                if hold is not None and hold.fetcher is None:
+                    self._end(
+                        hold, CancelledError(f"consumer {s.address} cancelled {req!r}: {msg.reason}"), Status.CANCELLED
+                    )
             return  # a late answer for a transfer that already ended
         if getattr(msg, "attempt", 0) and msg.attempt != t.attempt:
             return  # the answer to an earlier attempt of the same request id
@@ -521,6 +553,8 @@ class Producer(HandleBase):
         granted = t.dst_ids
         assert granted is not None  # _granted set it before submitting this move
         dst = granted if t.override is None else t.override
+        with s.quiet:
+            s.moving += 1
         try:
             if s.transport.one_sided and not np.array_equal(dst, granted):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
@@ -538,6 +572,10 @@ class Producer(HandleBase):
             return self._fail(s, t, e)
         except Exception as e:
             return self._fail(s, t, PeerError(f"write failed: {e!r}"))
+        finally:
+            with s.quiet:
+                s.moving -= 1
+                s.quiet.notify_all()
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
@@ -579,6 +617,8 @@ class Producer(HandleBase):
             self._session_lost(s, ClosedError("producer closed"))
         for t in holds:
             self._end(t, ClosedError("producer closed"))
+        for s in sessions:  # the transports go only once nothing moves through them
+            s.wait_quiet(QUIET_WAIT)
         self._close_common()
 
 

@@ -10,9 +10,27 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 
 _ctx = mp.get_context("spawn")
+
+
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (or the process is gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread ended meanwhile
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
 
 
 def serve(conn, ready, commands: dict) -> None:
@@ -64,7 +82,13 @@ class PipedProcess:
         return reply[1]
 
     def stop(self) -> None:
+        """SIGSTOP, and wait until every thread of the child is stopped: the signal is asynchronous, and on a
+        loaded machine a thread ran on for milliseconds after ``kill`` returned, long enough to answer a
+        message the test meant to reach a stopped process."""
         os.kill(self.pid, signal.SIGSTOP)
+        end = time.monotonic() + 5.0
+        while not _all_stopped(self.pid) and time.monotonic() < end:
+            time.sleep(0.0005)
 
     def cont(self) -> None:
         os.kill(self.pid, signal.SIGCONT)

@@ -265,3 +265,28 @@ def test_a_failed_pull_keeps_its_blocks_until_the_reader_stops():
     assert g.allocator.num_free == 12  # the reader may still land bytes
     g.end_receive(slot, 0, now=1)
     assert g.allocator.num_free == 16
+
+
+def test_a_fetch_reads_into_the_callers_blocks_and_gives_them_back_to_the_caller():
+    g = _grants(quarantine=1.0)
+    mine = np.array([15, 3, 9])
+    slot = g.admit_pull(1, "f", 3, 10, 0, lease_gen=7, ids=mine)
+    assert slot.external and np.array_equal(slot.ids, mine) and g.allocator.num_free == 16
+    g.begin_receive(slot)
+    assert g.end_receive(slot, 30, 0.1) is None and g.confirm(slot) is slot
+    assert g.release("f") and g.allocator.num_free == 16  # not the allocator's blocks: never freed to it
+    assert [s.req for s in g.take_freed()] == ["f"] and g.take_freed() == []
+
+
+def test_a_failed_fetch_gives_its_blocks_back_only_once_no_byte_can_land():
+    g = _grants(quarantine=1.0)
+    slot = g.admit_pull(1, "f", 2, 10, 0, lease_gen=7, one_sided=True, ids=np.array([4, 5]))
+    g.begin_receive(slot)
+    g.fail("f", DeadlineError("late"), now=0.5)
+    assert g.take_freed() == []  # the reader still runs
+    g.end_receive(slot, 0, now=0.6)
+    assert g.take_freed() == []  # one-sided: the quarantine holds
+    g.reap(now=1.6)
+    assert [s.req for s in g.take_freed()] == ["f"] and g.allocator.num_free == 16
+    with pytest.raises(BlockError):
+        g.admit_pull(1, "g", 2, 10, 0, lease_gen=8, ids=np.array([4, 5, 6]))

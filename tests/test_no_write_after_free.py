@@ -89,8 +89,15 @@ def test_push_cancelled_midway_writes_nothing_after_free(consumer, producer, tra
     with Throttle(p if transport == "nixl" else c):
         p.start("push", c.address, "big", N, fill=False, deadline=20.0)
         ids = c.wait_bytes(N)
-        assert p.cancel("big") if side == "producer" else c.cancel("big")
+        cancelled = p.cancel("big") if side == "producer" else c.cancel("big")
         landed = c.wait_failed(ids)
+    if not cancelled and transport == "nixl":
+        # one process_vm_writev can land the whole WRITE inside one of the producer's 1 ms running slices: the
+        # push was complete before the cancel, and only the allocator checks apply
+        assert p.wait_ended("big", 10)["error"] is None
+        _assert_clean(c)
+        return
+    assert cancelled
     assert landed < 0.9, f"the push had {landed:.0%} of its bytes when it ended: this run proves little"
     r = p.wait_ended("big", 10)
     # a consumer's cancel may also surface as PeerError: test_consumer_cancel_of_a_push_reaches_the_producer_as_cancel
@@ -166,18 +173,15 @@ SMALL = Spec(kind="nhd", num_blocks=64, layers=4, heads=4, block_size=16, head_d
 BATCH, ROUNDS = 32, 4
 
 
-STOPPED_WRITER = pytest.mark.xfail(
-    strict=False,
-    reason="open defect, intermittent (1 of 3 clean-clone CI runs): over nixl one block of a grant that expired "
-    "while its producer was stopped was written after the quarantine freed it, although the producer refuses a "
-    "grant handled after its deadline and NIXL posts nothing after it; the tcp case always passes",
-)
-
-
-@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=STOPPED_WRITER)])
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_a_stopped_producer_never_writes_a_freed_grant(transport):
     """A producer that stops (a GC pause, a starved CPU, SIGSTOP) holding grants it has not used yet: the
-    consumer times them out and may reuse the blocks only once nothing can write them any more."""
+    consumer times them out and may reuse the blocks only once nothing can write them any more.
+
+    The producer is stopped before its grants arrive (``stop`` waits until every thread is stopped: a SIGSTOP
+    that took effect a few milliseconds late let a grant be used in time, then froze the WRITE between its
+    last deadline check and its post). A pause inside that window is the known limit of one-sided pushes
+    (docs/transports.md); a fetch or pull has no such window."""
     c = ConsumerChild(SMALL, transport, quarantine=0.2, deadline=20.0)
     p = ProducerChild(SMALL, transport, seed=3)
     try:

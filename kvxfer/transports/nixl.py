@@ -26,7 +26,7 @@ from typing import cast
 import msgspec
 import numpy as np
 
-from ..errors import CancelledError, DeadlineError, PeerError, TransportError
+from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, TransportError
 from ..memory import HOST
 from ..plan import Extents, make_plan
 from .base import Link, Peer, Transport, WriteHost
@@ -36,6 +36,7 @@ _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
 
 
 _LIVE: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
+DRAIN = 1.0  # how long a stopped request is still polled for its end (the consumer's quarantine is longer)
 
 
 @atexit.register
@@ -249,18 +250,27 @@ class NixlLink(Link[NixlTransport]):
                 if time.monotonic() >= deadline:
                     raise DeadlineError(f"NIXL {op} not posted: the deadline passed")
                 state = agent.transfer(handle)
-            pause = 0.00002
+            pause, drained_by = 0.00002, 0.0
+            stop: KVXferError | None = None
             while state == "PROC":
-                if cancel.is_set():
-                    raise CancelledError("transfer cancelled")
-                if self.closed or self.t.closed:
-                    raise PeerError("link closed")
-                if time.monotonic() >= deadline:
-                    raise DeadlineError(f"NIXL {op} still in progress at the deadline")
+                if stop is None:
+                    if cancel.is_set():
+                        stop = CancelledError("transfer cancelled")
+                    elif self.closed or self.t.closed:
+                        stop = PeerError("link closed")
+                    elif time.monotonic() >= deadline:
+                        stop = DeadlineError(f"NIXL {op} still in progress at the deadline")
+                    # a posted request cannot be withdrawn: wait (a little) for it to end, so that once this
+                    # returns nothing of it lands any more
+                    drained_by = time.monotonic() + DRAIN
+                elif time.monotonic() >= drained_by:
+                    break
                 time.sleep(pause)
                 pause = min(pause * 2, 0.001)
                 with lock:
                     state = agent.check_xfer_state(handle)
+            if stop is not None:
+                raise stop
             if state != "DONE":
                 raise TransportError(f"NIXL {op} ended in state {state}")
         except (CancelledError, PeerError, DeadlineError, TransportError):

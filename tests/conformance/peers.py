@@ -37,6 +37,14 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
     def wait(req, timeout):
         return _summary(inflight[req].wait(timeout))
 
+    def keep(req, ids, kwargs):  # hold blocks for a consumer to fetch; its ticket
+        t = inflight[req] = producer.hold(req, np.asarray(ids), **kwargs)
+        return t.ticket
+
+    def ended(req):
+        t = inflight[req]
+        return {"done": t.done(), "status": t.status.value, "error": type(t.error).__name__ if t.error else None}
+
     def redone(address, req):  # a duplicate Done for a transfer that already completed
         t = inflight[req]
         producer._sessions[address].send(wire.Done(req=t.req, gen=t.gen, nbytes=t.nbytes, meta=t.meta))
@@ -44,7 +52,7 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
     try:
         serve(
             conn,
-            None,
+            producer.address,
             {
                 "push": lambda *a: start("push", *a),
                 "offer": lambda *a: start("offer", *a),
@@ -52,6 +60,9 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
                 "hold": gate.clear,
                 "go": gate.set,
                 "redone": redone,
+                "keep": keep,
+                "ended": ended,
+                "leases": lambda: len(producer.leases.active),
             },
         )
     finally:
@@ -74,13 +85,22 @@ PeerError = RemoteError  # what the conformance tests catch: an exception raised
 class ProducerProcess(PipedProcess):
     """A kvxfer Producer in its own process, filled with seeded random bytes. Beside push and offer it answers
     ``call("wait", req, timeout)``, ``call("hold")`` / ``call("go")`` (granted pushes wait before moving a byte)
-    and ``call("redone", address, req)`` (a duplicate Done)."""
+    and ``call("redone", address, req)`` (a duplicate Done). With ``listen=`` it also keeps blocks for a
+    consumer to fetch (``keep``; ``address`` is where)."""
 
     what = "producer process"
 
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
         self.spec, self.seed = spec, seed
         super().__init__(_producer_main, spec, transport, seed, options)
+        self.address = self.ready
+
+    def keep(self, req, ids, **kwargs) -> dict:
+        """``Producer.hold``: the ticket."""
+        return self.call("keep", req, list(map(int, ids)), kwargs)
+
+    def ended(self, req) -> dict:
+        return self.call("ended", req)
 
     def push(self, address, req, ids, wait=True, **kwargs):
         return self.call("push", address, req, list(map(int, ids)), kwargs, wait)
