@@ -432,7 +432,7 @@ class Router:
             except httpx.HTTPError as e:
                 held.end()
                 self.errors.labels("decode").inc()
-                return _error(502, f"vLLM decode instance {inst.url}: {e}", "decode_error")
+                return _error(502, f"vLLM decode instance {inst.url}: {type(e).__name__} {e}", "decode_error")
             if resp.status_code != 200:
                 self.errors.labels("decode").inc()
                 detail = await resp.aread()
@@ -553,14 +553,16 @@ def _whole(pj: dict, chat: bool, stream: bool):
     text = (choice["message"].get("content") or "") if chat else choice.get("text", "")
     base = {"id": pj.get("id"), "created": pj.get("created", int(time.time())), "model": pj.get("model")}
 
+    extra = {"token_ids": choice["token_ids"]} if choice.get("token_ids") is not None else None
+
     async def events():
-        yield _chunk(base, chat, text, choice.get("finish_reason") or "stop", True)
+        yield _chunk(base, chat, text, choice.get("finish_reason") or "stop", True, extra)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _chunk(base: dict, chat: bool, text: str, finish, first: bool) -> str:
+def _chunk(base: dict, chat: bool, text: str, finish, first: bool, extra: dict | None = None) -> str:
     if chat:
         delta = {"content": text}
         if first:
@@ -570,6 +572,7 @@ def _chunk(base: dict, chat: bool, text: str, finish, first: bool) -> str:
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
+    choice.update(extra or {})
     data = {"id": base["id"], "object": obj, "created": base["created"], "model": base["model"], "choices": [choice]}
     if finish and base.get("kv_transfer_params"):
         data["kv_transfer_params"] = base["kv_transfer_params"]

@@ -23,6 +23,7 @@ MODEL_DIR = ROOT / ".e2e-model"
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-size", "128"]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest grouped the tests by their module-scoped fixtures' params
 def pytest_collection_modifyitems(items):
     """A vLLM server starts inside the first test that needs it, bounded by its own wait (300 s on a loaded
     2-core machine): the suite's 120 s per-test timeout must not cut that bound short."""
@@ -30,6 +31,24 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.path.is_relative_to(here) and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(420))
+    _pairs_in_written_order(items)
+
+
+def _pairs_in_written_order(items) -> None:
+    """The tests sharing one P/D pair (the module-scoped ``pd`` fixture) run in the order they are written: the
+    last one kills the pair's prefill. pytest keeps a pair's tests together but may put those that name their
+    pairs themselves (indirect parametrization) first."""
+    at = [i for i, item in enumerate(items) if "pd" in getattr(getattr(item, "callspec", None), "params", {})]
+    pairs: list[str] = []
+    for i in at:
+        if items[i].callspec.params["pd"] not in pairs:
+            pairs.append(items[i].callspec.params["pd"])
+    ordered = sorted(
+        (items[i] for i in at),
+        key=lambda it: (pairs.index(it.callspec.params["pd"]), it.function.__code__.co_firstlineno),
+    )
+    for i, item in zip(at, ordered, strict=True):
+        items[i] = item
 
 
 def free_port() -> int:

@@ -48,19 +48,38 @@ def kv_regions(pid: int) -> list[tuple[int, int]]:
     return regions
 
 
-def corrupt_kv_cache(server, seed: int = 7) -> int:
-    """Overwrite every block of ``server``'s KV cache with large finite float32 noise; returns the worker's pid.
+class KVCache:
+    """A running server's KV cache as bytes: read it, find what a request wrote, overwrite part of it."""
 
-    Every block means the held ones too, whatever their ids: the decode instance then fetches garbage that the
-    prefill's digests (when asked for) no longer match."""
-    workers = [(p, r) for p in descendants(server.proc.p.pid) for r in kv_regions(p)]
-    assert len(workers) == 1, f"expected one KV cache allocation among the server's processes, found {workers}"
-    pid, (start, length) = workers[0]
-    skip = 4096  # the allocator's header sits in the mapping's first page (block 0, vLLM's null block, is there)
-    noise = np.random.default_rng(seed).standard_normal((length - skip) // 4, dtype=np.float32) * 50
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
-    try:
-        os.pwrite(fd, noise.tobytes(), start + skip)
-    finally:
-        os.close(fd)
-    return pid
+    SKIP = 4096  # the allocator's header sits in the mapping's first page (block 0, vLLM's null block, is there)
+
+    def __init__(self, server):
+        found = [(p, r) for p in descendants(server.proc.p.pid) for r in kv_regions(p)]
+        assert len(found) == 1, f"expected one KV cache allocation among the server's processes, found {found}"
+        self.pid, (start, length) = found[0]
+        self.start, self.length = start + self.SKIP, length - self.SKIP
+
+    def read(self) -> np.ndarray:
+        fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
+        try:
+            return np.frombuffer(os.pread(fd, self.length, self.start), dtype=np.uint8)
+        finally:
+            os.close(fd)
+
+    def write(self, offset: int, data: bytes) -> None:
+        fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR)
+        try:
+            assert os.pwrite(fd, data, self.start + offset) == len(data)
+        finally:
+            os.close(fd)
+
+
+def corrupt_one_block(cache: KVCache, before: np.ndarray, nbytes: int, seed: int = 7) -> int:
+    """Overwrite ``nbytes`` with large finite float32 noise from the first byte that changed since ``before``:
+    the first block a request wrote, in one layer, when ``nbytes`` is at most half a block. Returns the offset."""
+    changed = np.flatnonzero(cache.read() != before)
+    assert changed.size, "the request wrote nothing into the KV cache"
+    offset = int(changed[0]) & ~3  # a float32 boundary
+    noise = np.random.default_rng(seed).standard_normal(nbytes // 4, dtype=np.float32) * 50
+    cache.write(offset, noise.tobytes())
+    return offset
