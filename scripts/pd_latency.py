@@ -83,7 +83,8 @@ def load_ms(log: Path) -> str:
 
 
 def pct(xs: list[float], q: float) -> float:
-    return 1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    """The q-quantile in milliseconds (nan when every request failed)."""
+    return 1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def main() -> None:
@@ -114,9 +115,10 @@ def main() -> None:
                 start(pair)
                 router, url = start_router(
                     logs, f"router-{name}", pair[0].url, "--policy", "always", "--vllm-decode", pair[1].url,
-                    "--vllm-connector", claim,
+                    "--vllm-connector", claim, "--decode-timeout", "30",
                 )  # fmt: skip
                 times: dict[str, list[tuple[float, float]]] = {"single": [], name: []}
+                failed = {"single": 0, name: 0}
                 same = 0
                 for i in range(args.n + 1):  # the first round warms both paths up and is not counted
                     body = {
@@ -130,11 +132,16 @@ def main() -> None:
                     order = [("single", single.url), (name, url)][:: 1 if i % 2 else -1]
                     got = {}
                     for path, u in order:
-                        first, total, ids = timed(u, body)
+                        try:
+                            first, total, ids = timed(u, body)
+                        except (httpx.HTTPError, RuntimeError) as e:  # counted, and the run goes on
+                            print(f"{path}: request {i} failed: {type(e).__name__} {e}", file=sys.stderr)
+                            failed[path] += bool(i)
+                            continue
                         got[path] = ids
                         if i:
                             times[path].append((first, total))
-                    same += bool(i) and got["single"] == got[name]
+                    same += bool(i) and name in got and got.get("single") == got[name]
                 for path in ("single", name):
                     ttft, total = [t[0] for t in times[path]], [t[1] for t in times[path]]
                     rows.append(
@@ -147,7 +154,8 @@ def main() -> None:
                             "ttft_p90_ms": round(pct(ttft, 0.9), 1),
                             "total_p50_ms": round(pct(total, 0.5), 1),
                             "total_p90_ms": round(pct(total, 0.9), 1),
-                            "mean_ttft_ms": round(1000 * statistics.mean(ttft), 1),
+                            "mean_ttft_ms": round(1000 * statistics.mean(ttft), 1) if ttft else float("nan"),
+                            "failed": failed[path],
                             "identical": "" if path == "single" else f"{same}/{args.n}",
                             "load_ms": "" if path == "single" else None,
                         }
@@ -160,7 +168,7 @@ def main() -> None:
             rows[-1]["load_ms"] = load_ms(pair[1].proc.log)  # its last stats line is written by the stop
     finally:
         single.stop()
-    cols = ["path", "n", "ttft_p50_ms", "ttft_p90_ms", "total_p50_ms", "total_p90_ms", "identical", "load_ms"]
+    cols = ["path", "n", "failed", "ttft_p50_ms", "ttft_p90_ms", "total_p50_ms", "total_p90_ms", "identical", "load_ms"]
     print(f"prompt {args.tokens} tokens, {args.max_tokens} generated, streamed, one request at a time; logs in {logs}")
     print(" | ".join(cols))
     for r in rows:
