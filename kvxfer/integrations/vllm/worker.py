@@ -203,14 +203,16 @@ class KVXferWorker:
             )
         with self._lock:
             self.layout, self.ratio, self.producer, self.consumer = layout, ratio, producer, consumer
+        roles = []
+        if producer is not None:
+            roles.append(f"producer over {producer.transport_name}" + (f" listening on {s.listen}" if s.listen else ""))
+        if consumer is not None:
+            roles.append(f"fetching consumer over {consumer.transport_name} on {consumer.address}")
         log.info(
-            "kvxfer: registered %d KV tensors as %r (%s%s; %d kernel block(s) per block)",
+            "kvxfer: registered %d KV tensors as %r (%s; %d kernel block(s) per block)",
             len(tensors),
             layout,
-            f"producer over {producer.transport_name}" + (f" listening on {s.listen}" if s.listen else "")
-            if producer
-            else "",
-            f" consumer over {consumer.transport_name} on {consumer.address}" if consumer else "",
+            ", ".join(roles),
             ratio,
         )
 
