@@ -144,9 +144,12 @@ def test_malformed_claims_ship_nothing_and_say_why(vh, engines):
     e.add(vh.make_request("bad-address", 20, 1, {"kvxfer": {"consumer": "nowhere"}}))
     e.add(vh.make_request("not-allowed", 20, 1, {"kvxfer": {"consumer": "10.9.9.9:5000"}}))
     e.run()
-    for rid in ("no-consumer", "not-a-dict", "bad-address", "not-allowed"):
+    for rid in ("not-a-dict", "bad-address", "not-allowed"):
         p = e.outputs[rid]["kv_transfer_params"]["kvxfer"]
         assert p["status"] == "not_sent" and "error" in p, (rid, p)
+    # no consumer named: a hold, which needs the "listen" setting this instance lacks
+    p = e.outputs["no-consumer"]["kv_transfer_params"]["kvxfer"]
+    assert p["status"] == "not_held" and "listen" in p["error"] and "address" not in p, p
     assert "allowed_consumers" in e.outputs["not-allowed"]["kv_transfer_params"]["kvxfer"]["error"]
     assert not e.worker.orders and not e.finished_sending
     e.assert_no_leaks()

@@ -4,6 +4,7 @@ prefill instance, one batch, requests for the regular P/D pool (Nixl), for kvxfe
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -61,3 +62,46 @@ def test_multiconnector_beside_nixl_one_batch(vh, nixl, engines, consumers):
     assert set(e.finished_sending) == {"kvx", "kvx-chunked", "pd", "both"}
     e.assert_no_leaks()
     assert c.stats()["completed"] == 3
+
+
+def test_pd_hold_and_fetch_under_multiconnector_beside_nixl(vh, nixl, engines, monkeypatch):
+    """Prefill (kv_producer) and decode (kv_consumer) both run KVXferConnector under MultiConnector beside a real
+    NixlConnector: a kvxfer ticket is held and fetched through the kvxfer child, Nixl's keys never clash with it,
+    and both pools end full."""
+    block = 32
+    port = vh.free_port()
+    extra = {"transport": "tcp", "deadline": 10}
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(vh.free_port()))
+    p = engines(
+        vh.multi_ktc({**extra, "listen": f"127.0.0.1:{port}"}, role="kv_producer"),
+        block=block,
+        num_blocks=64,
+        max_batched=128,
+        setup=vh.init_single_process_world,
+    )
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(vh.free_port()))
+    d = engines(vh.multi_ktc(extra, role="kv_consumer"), block=block, num_blocks=64, max_batched=128)
+    n = 100
+    p.add(vh.make_request("p", n, 1, {"kvxfer": {"request_id": "kvx-m"}}, seed=3, block=block))
+    p.run(until=lambda e: "kv_transfer_params" in e.outputs.get("p", {}))
+    params = p.outputs["p"]["kv_transfer_params"]
+    assert set(params) == {"kvxfer"} and params["kvxfer"]["status"] == "held"
+    d.add(vh.make_request("d", n, 2, params, seed=3, block=block))
+    t0 = time.monotonic()
+    while p.busy() or d.busy():
+        assert time.monotonic() - t0 < 30, (p.kvxfer.pending(), d.kvxfer.pending())
+        for e in (p, d):
+            if e.busy():
+                e.step()
+    assert d.first_computed["d"] == n - 1  # loaded through the kvxfer child
+    r = d.outputs["d"]["kv_transfer_params"]
+    assert set(r) == {"kvxfer"} and r["kvxfer"]["status"] == "fetched", r
+    toks = vh.prompt_tokens(n, 3)
+    table = d.worker.tables_seen["d"]
+    for pos in range(n - 1):
+        for li, name in enumerate(vh.LAYERS):
+            got = d.worker.kv_caches[name][table[pos // block], :, pos % block, :]
+            assert bool((got == vh.slot_value(toks[pos], pos, li)).all()), (pos, li)
+    assert d.stats is not None
+    p.assert_no_leaks()
+    d.assert_no_leaks()

@@ -94,12 +94,23 @@ def test_sleep_mode_unregister_and_restore(vh, engines, consumers):
     e.assert_no_leaks()
 
 
-def test_refuses_consumer_role(vh):
-    from vllm.config import KVTransferConfig
+def test_roles_and_hold_settings(vh, engines):
+    from kvxfer.integrations.vllm import Settings
 
-    ktc = KVTransferConfig(kv_connector="KVXferConnector", kv_connector_module_path=vh.MODULE, kv_role="kv_consumer")
-    with pytest.raises(ValueError, match="producer"):
-        vh.Engine(ktc)
+    for role in ("kv_consumer", "kv_both"):
+        e = engines(vh.kvxfer_ktc(transport="tcp", listen=f"127.0.0.1:{vh.free_port()}", role=role))
+        assert e.kvxfer.connector_scheduler.fetch and (e.kvxfer.connector_scheduler.produce == (role == "kv_both"))
+        w = e.worker.kvxfer.connector_worker
+        assert w.consumer is not None and (w.producer is not None) == (role == "kv_both")
+        assert w.consumer.allocator.num_free == 0  # fetches land in vLLM's blocks; pushes are refused Busy
+    with pytest.raises(ValueError, match="concrete port"):
+        Settings.from_extra({"listen": "127.0.0.1:0"})
+    with pytest.raises(ValueError, match="bad listen"):
+        Settings.from_extra({"listen": "nowhere"})
+    with pytest.raises(ValueError, match="lease"):
+        Settings.from_extra({"lease": 0})
+    s = Settings.from_extra({"listen": "10.0.0.5:5600", "lease": 7, "consumer_listen": "10.0.0.6:0"})
+    assert (s.listen, s.lease, s.consumer_listen) == ("10.0.0.5:5600", 7.0, "10.0.0.6:0")
 
 
 def test_pyproject_pins_the_supported_vllm_range():

@@ -47,21 +47,35 @@ _hash_ready = False
 # ------------------------------------------------------------------------------------------------------------
 # configs
 # ------------------------------------------------------------------------------------------------------------
-def kvxfer_ktc(**extra) -> KVTransferConfig:
-    return KVTransferConfig(
+def kvxfer_ktc(*, role: str = "kv_producer", policy: str | None = None, **extra) -> KVTransferConfig:
+    ktc = KVTransferConfig(
         kv_connector="KVXferConnector",
         kv_connector_module_path=MODULE,
-        kv_role="kv_producer",
+        kv_role=role,  # type: ignore[arg-type]
         kv_connector_extra_config=extra,
     )
+    if policy:
+        ktc.kv_load_failure_policy = policy  # type: ignore[assignment]
+    return ktc
 
 
-def multi_ktc(extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None) -> KVTransferConfig:
+def free_port() -> int:
+    """A TCP port free right now on loopback (for a prefill's concrete ``listen`` address)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def multi_ktc(
+    extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None, role: str = "kv_producer"
+) -> KVTransferConfig:
     children = [
         {
             "kv_connector": "KVXferConnector",
             "kv_connector_module_path": MODULE,
-            "kv_role": "kv_producer",
+            "kv_role": role,
             "kv_connector_extra_config": extra,
         }
     ]
@@ -69,13 +83,15 @@ def multi_ktc(extra: dict, *, nixl: bool = True, nixl_extra: dict | None = None)
         children.append(
             {
                 "kv_connector": "NixlConnector",
-                "kv_role": "kv_producer",
+                "kv_role": role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": dict(nixl_extra or {}),
             }
         )
     return KVTransferConfig(
-        kv_connector="MultiConnector", kv_role="kv_producer", kv_connector_extra_config={"connectors": children}
+        kv_connector="MultiConnector",
+        kv_role=role,  # type: ignore[arg-type]
+        kv_connector_extra_config={"connectors": children},
     )
 
 
@@ -161,6 +177,8 @@ class Worker:
         self.block_tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.orders: list[ShipOrder] = []
+        self.fetch_orders: list = []
+        self.tables_seen: dict[str, list[int]] = {}  # req -> its block table when first scheduled (kept after finish)
         self.connector = None
         if connector:
             self.connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
@@ -189,9 +207,12 @@ class Worker:
         return None
 
     def execute(self, so, prompt_len: dict[str, int], eos_for: set[str]) -> ModelRunnerOutput:
+        if self.connector is not None:  # two engines in one process (P/D tests): the model runner's agent is ours
+            kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         for r in so.scheduled_new_reqs:
             self.block_tables[r.req_id] = list(r.block_ids[0])
             self.tokens[r.req_id] = list(r.prompt_token_ids)
+            self.tables_seen[r.req_id] = self.block_tables[r.req_id]
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             nb = c.new_block_ids[i]
@@ -206,6 +227,7 @@ class Worker:
         ours = self._our_meta(so.kv_connector_metadata)
         if ours is not None:
             self.orders.extend(ours.ship)
+            self.fetch_orders.extend(ours.fetch)
 
         kv_out = None
         if self.connector is not None:
@@ -286,6 +308,9 @@ class Engine:
         self.preempted: set[str] = set()
         self.finished_sending: dict[str, int] = {}
         self.first_computed: dict[str, int] = {}  # req -> num_computed_tokens when first scheduled (prefix hit)
+        self.finished_recving: dict[str, int] = {}
+        self.load_errors: set[int] = set()
+        self.stats: Any = None  # the connector's KVConnectorStats, aggregated over every step's output
 
     @property
     def kvxfer(self) -> KVXferConnector:
@@ -310,6 +335,14 @@ class Engine:
         kvo = mro.kv_connector_output
         for rid in (kvo.finished_sending or ()) if kvo else ():
             self.finished_sending[rid] = self.finished_sending.get(rid, 0) + 1
+        for rid in (kvo.finished_recving or ()) if kvo else ():
+            self.finished_recving[rid] = self.finished_recving.get(rid, 0) + 1
+        if kvo is not None:
+            self.load_errors |= set(kvo.invalid_block_ids or ())
+            if kvo.kv_connector_stats is not None:
+                self.stats = (
+                    kvo.kv_connector_stats if self.stats is None else self.stats.aggregate(kvo.kv_connector_stats)
+                )
         eco = self.sched.update_from_output(so, mro)
         for outs in eco.values():
             for o in outs.outputs:
@@ -353,6 +386,8 @@ class Engine:
             assert not self.worker.kvxfer.pending(), self.worker.kvxfer.pending()
         for rid, n in self.finished_sending.items():
             assert n == 1, f"{rid} reported finished_sending {n} times"
+        for rid, n in self.finished_recving.items():
+            assert n == 1, f"{rid} reported finished_recving {n} times"
 
     def close(self) -> None:
         self.worker.close()

@@ -1,6 +1,6 @@
 """``KVXferConnector``: the class vLLM loads. It checks the configuration, then hands each hook to the half of its
 role, as vLLM's own NixlConnector does: ``KVXferScheduler`` in the engine-core process, ``KVXferWorker`` in the
-model-runner process."""
+model-runner process. ``kv_producer`` pushes and holds, ``kv_consumer`` fetches, ``kv_both`` does all three."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ...consumer import Consumer
 from ...producer import Producer
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
 from .scheduler import KVXferScheduler
 from .settings import Settings
+from .stats import KVXferPromMetrics, KVXferStats
 from .worker import KVXferWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -31,13 +34,16 @@ if TYPE_CHECKING:
 
 
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvxfer producer connector for vLLM V1 (``kv_role="kv_producer"``)."""
+    """kvxfer connector for vLLM V1: ``kv_role`` ``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"``."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
-        if ktc.kv_role not in ("kv_producer", "kv_both"):
-            raise ValueError(f"KVXferConnector is a producer: kv_role must be 'kv_producer', got {ktc.kv_role!r}")
+        if ktc.kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(
+                f"KVXferConnector: kv_role must be 'kv_producer', 'kv_consumer' or 'kv_both', got {ktc.kv_role!r}"
+            )
+        produce, fetch = ktc.kv_role != "kv_consumer", ktc.kv_role != "kv_producer"
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
         ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
@@ -57,9 +63,11 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         self.connector_scheduler: KVXferScheduler | None = None
         self.connector_worker: KVXferWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVXferScheduler(self.settings, self.block_size)
+            self.connector_scheduler = KVXferScheduler(self.settings, self.block_size, produce=produce, fetch=fetch)
         else:
-            self.connector_worker = KVXferWorker(self.settings, kv_cache_config)
+            self.connector_worker = KVXferWorker(
+                self.settings, kv_cache_config, produce=produce, fetch=fetch, block_size=self.block_size
+            )
 
     # ---- class-level hooks -------------------------------------------------------------------------------
     @classmethod
@@ -70,7 +78,24 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         return True  # unregister_kv_caches / restore_kv_caches follow the remap
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVXferStats | None:
+        return KVXferStats(data=data) if data is not None else KVXferStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVXferPromMetrics:
+        return KVXferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- scheduler side ----------------------------------------------------------------------------------
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return (0,)  # a fetch restores the request's own blocks of the one group
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -124,10 +149,11 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker.bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        pass  # a producer loads nothing
+        assert self.connector_worker is not None
+        self.connector_worker.start_load_kv()  # starts the step's fetches; never waits for one
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass
+        pass  # loads are asynchronous: the request is scheduled only after finished_recving
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole requests are shipped after the forward pass, from the registered cache itself
@@ -140,9 +166,18 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.connector_worker is not None
         return self.connector_worker.get_finished(finished_req_ids)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.connector_worker is not None
+        return self.connector_worker.get_block_ids_with_load_errors()
+
     def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
         assert self.connector_worker is not None
         return self.connector_worker.build_connector_worker_meta()
+
+    def get_kv_connector_stats(self) -> KVXferStats | None:
+        if self.connector_worker is None:
+            return None  # the scheduler half moves nothing
+        return self.connector_worker.get_kv_connector_stats()
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:
@@ -152,6 +187,10 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def producer(self) -> Producer | None:
         return self.connector_worker.producer if self.connector_worker is not None else None
+
+    @property
+    def consumer(self) -> Consumer | None:
+        return self.connector_worker.consumer if self.connector_worker is not None else None
 
     def pending(self) -> dict[str, str]:
         """Worker: req -> shipment state of every shipment not yet forgotten; scheduler: tracked requests."""

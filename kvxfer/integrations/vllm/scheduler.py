@@ -1,16 +1,19 @@
-"""The connector's scheduler half (engine-core process): follow each claimed request across chunked prefill,
-order the worker to ship its prompt's blocks once the whole prompt is computed, and hold the blocks at finish only
-while that transfer may still read them. It never touches the network; the worker reports back through
-``KVXferWorkerMetadata`` and ``finished_sending``."""
+"""The connector's scheduler half (engine-core process). Producer role: follow each claimed request across chunked
+prefill, order the worker to ship (push) or hold its prompt's blocks once the whole prompt is computed, and keep
+the blocks at finish only while that transfer may still read them. Consumer role: for a request carrying a
+prefill's ticket, report the held prompt tokens as loaded asynchronously, and order the worker to fetch them into
+the blocks vLLM allocated. It never touches the network; the worker reports back through ``KVXferWorkerMetadata``,
+``finished_sending`` and ``finished_recving``."""
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
-from .settings import PARAMS_KEY, Claim, Settings, log, parse_claim
+from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .settings import FETCH, HOLD, NONE, PARAMS_KEY, Claim, Settings, log, parse_claim
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -28,29 +31,99 @@ class _Tracked:
     inflight: bool = False  # ordered, end not heard from the worker yet
     outcome: tuple[str, str | None] | None = None  # (status, error) of the attempt once it ended
     num_blocks: int = 0
+    lease_expires: float = 0.0  # a hold: when its lease ends (time.time())
+
+
+@dataclass
+class _Fetch:
+    """A decode request carrying a prefill's ticket, from its first allocation to its finish."""
+
+    claim: Claim
+    held_tokens: int = 0  # prompt tokens the hold covers (capped at this prompt)
+    skip: int = 0  # held blocks already here (local prefix-cache hit)
+    block_ids: list[int] = field(default_factory=list)  # ours, for held blocks [skip, skip + len)
+    to_order: bool = False
+    ordered: bool = False
+    error: str = ""  # the blocks could not be mapped: the worker fails the order at once
+    outcome: tuple[str, str | None] | None = None  # (status, error) once the fetch ended, or why none ran
+    info: dict = field(default_factory=dict)  # nbytes, seconds of the fetch
 
 
 class KVXferScheduler:
-    """Scheduler-side state and hooks; for a request without a claim every hook is a no-op."""
+    """Scheduler-side state and hooks; for a request without a claim every hook is a no-op.
 
-    def __init__(self, settings: Settings, block_size: int):
+    ``produce``: push and hold claims are served (``kv_producer``, ``kv_both``); ``fetch``: tickets are loaded
+    (``kv_consumer``, ``kv_both``)."""
+
+    def __init__(self, settings: Settings, block_size: int, *, produce: bool = True, fetch: bool = False):
         self.settings = settings
         self.block_size = block_size
+        self.produce, self.fetch = produce, fetch
+        self.fingerprint = ""  # the worker's layout id, once it reported it (put in hold tickets)
         self._tracked: dict[str, _Tracked] = {}
+        self._fetches: dict[str, _Fetch] = {}
+        self._draining: set[str] = set()  # finished while their fetch ran: finished_recving not seen yet
         self._delayed: set[str] = set()  # to tell the worker in the next metadata
         self._cancel_next: dict[str, tuple[int, str]] = {}
         self._awaiting: set[str] = set()  # delayed, finished_sending not seen yet
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return 0, False  # a producer never loads; called repeatedly, so no side effects
+    # ---- consumer role: loading a held prompt ------------------------------------------------------------
+    def _held_tokens(self, request: Request, claim: Claim) -> int:
+        assert claim.ticket is not None
+        return min(claim.ticket.num_tokens, int(request.num_prompt_tokens))
 
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Prompt tokens a ticket brings, past the local prefix-cache hit, loaded asynchronously; once per
+        request (after the allocation, a resumed or recomputing request loads nothing). No side effects: vLLM
+        asks again whenever the allocation did not fit."""
+        if not self.fetch or request.request_id in self._fetches:
+            return 0, False
+        claim = parse_claim(request.kv_transfer_params, request.request_id, self.settings)
+        if claim is None or claim.kind != FETCH or claim.error:
+            return 0, False
+        count = self._held_tokens(request, claim) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def _alloc_fetch(self, request: Request, claim: Claim, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        f = self._fetches[rid] = _Fetch(claim)
+        if claim.kind == NONE or claim.error:
+            f.outcome = ("not_fetched", claim.error)
+            log.warning("kvxfer: request %s: %s; its prompt is computed here", rid, claim.error)
+            return
+        if not self.fetch:
+            f.outcome = ("not_fetched", "this instance's kv_role does not fetch (kv_consumer or kv_both does)")
+            return
+        if num_external_tokens <= 0:
+            f.outcome = ("not_fetched", "nothing to load: the local prefix-cache hit covers the held prompt")
+            return
+        f.held_tokens = self._held_tokens(request, claim)
+        local = f.held_tokens - num_external_tokens
+        ids = blocks.get_block_ids()
+        table = list(ids[0]) if ids else []
+        n = math.ceil(f.held_tokens / self.block_size)
+        f.skip = max(0, local) // self.block_size
+        f.block_ids = table[f.skip : n]
+        f.to_order = True  # vLLM now waits for this request's finished_recving, whatever happens
+        if local < 0 or local % self.block_size or len(table) < n:
+            f.error = f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks"
+            log.error("kvxfer: request %s: %s", rid, f.error)
+
+    # ---- both roles --------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         rid = request.request_id
+        if rid in self._fetches:
+            return  # resumed after its load or a preemption: nothing more to load
         st = self._tracked.get(rid)
         if st is None:
             claim = parse_claim(request.kv_transfer_params, rid, self.settings)
             if claim is None:
                 return
+            if claim.kind in (FETCH, NONE):
+                self._alloc_fetch(request, claim, blocks, num_external_tokens)
+                return
+            if not self.produce:
+                claim.error = "this instance's kv_role does not produce (kv_producer or kv_both does)"
             if claim.error:
                 log.warning("kvxfer: request %s: %s; its KV will not be shipped", rid, claim.error)
             st = self._tracked[rid] = _Tracked(claim, int(request.num_prompt_tokens))
@@ -67,6 +140,10 @@ class KVXferScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed)
         self._cancel_next, self._delayed = {}, set()
+        for rid, f in self._fetches.items():
+            if f.to_order:
+                f.to_order, f.ordered = False, True
+                meta.fetch.append(self._fetch_order(rid, f))
         if not self._tracked:
             return meta
         for rid in scheduler_output.preempted_req_ids or ():
@@ -97,6 +174,23 @@ class KVXferScheduler:
             self._maybe_order(meta, rid, st, cached.num_computed_tokens[i], nst.get(rid, 0))
         return meta
 
+    def _fetch_order(self, rid: str, f: _Fetch) -> FetchOrder:
+        t = f.claim.ticket
+        assert t is not None
+        return FetchOrder(
+            req_id=rid,
+            transfer_id=t.request_id,
+            address=t.address,
+            block_ids=f.block_ids,
+            skip=f.skip,
+            num_tokens=f.held_tokens,
+            block_size=t.block_size,
+            fingerprint=t.fingerprint,
+            lease_expires=t.lease_expires,
+            deadline=f.claim.deadline,
+            error=f.error,
+        )
+
     def _maybe_order(
         self, meta: KVXferConnectorMetadata, rid: str, st: _Tracked, computed: int, scheduled: int
     ) -> None:
@@ -114,6 +208,8 @@ class KVXferScheduler:
         c = st.claim
         st.attempt += 1
         st.inflight = True
+        if c.kind == HOLD:
+            st.lease_expires = time.time() + self.settings.lease
         meta.ship.append(
             ShipOrder(
                 req_id=rid,
@@ -125,33 +221,72 @@ class KVXferScheduler:
                 deadline=c.deadline,
                 digests=c.digests,
                 meta={**c.meta, "num_tokens": st.prompt_len, "block_size": self.block_size, "vllm_request_id": rid},
+                lease_expires=st.lease_expires,
             )
         )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_sending or ():
             self._awaiting.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            self._draining.discard(rid)
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KVXferWorkerMetadata):
+            if wm.fingerprint:
+                self.fingerprint = wm.fingerprint
             for rid, (attempt, status, error) in wm.ended.items():
                 st = self._tracked.get(rid)
                 if st is not None and st.attempt == attempt and st.inflight:
                     st.inflight, st.outcome = False, (status, error)
+                f = self._fetches.get(rid)
+                if f is not None and f.ordered and f.outcome is None:
+                    f.outcome = ("fetched" if status == "done" else status, error)
+                    f.info = wm.fetched.get(rid, {})
+
+    def _fetch_finished(self, request: Request, f: _Fetch) -> dict[str, Any]:
+        rid = request.request_id
+        t = f.claim.ticket
+        info: dict[str, Any] = {"request_id": f.claim.transfer_id}
+        if t is not None:
+            info.update(address=t.address, num_tokens=f.held_tokens, skip_blocks=f.skip, num_blocks=len(f.block_ids))
+        if f.ordered and f.outcome is None:
+            # finished (aborted) while loading: vLLM frees its blocks once the worker reports finished_recving,
+            # which it does after the cancelled fetch ended
+            self._draining.add(rid)
+            if request.status.name == "FINISHED_ERROR":  # kv_load_failure_policy "fail": the fetch failed
+                info.update(status="failed", error="KV load failed (kv_load_failure_policy=fail)")
+            else:
+                info["status"] = "cancelled"
+            return info
+        status, error = f.outcome or ("not_fetched", "request finished before its blocks were allocated")
+        info["status"] = status
+        if error:
+            info["error"] = error
+        info.update(f.info)
+        return info
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        f = self._fetches.pop(rid, None)
+        if f is not None:
+            return False, {PARAMS_KEY: self._fetch_finished(request, f)}
         st = self._tracked.pop(rid, None)
         if st is None:
             return False, None
         c = st.claim
         info: dict[str, Any] = {
             "request_id": c.transfer_id,
-            "consumer": c.consumer,
             "num_tokens": st.prompt_len,
             "num_blocks": st.num_blocks,
             "block_size": self.block_size,
             "digests": c.digests,
         }
+        if c.kind == HOLD and st.attempt:
+            info.update(address=self.settings.listen, lease_expires=st.lease_expires, transport=self.settings.transport)
+            if self.fingerprint:
+                info["fingerprint"] = self.fingerprint
+        elif c.kind != HOLD:
+            info["consumer"] = c.consumer
         if st.inflight:
             # The transfer may still read these blocks: vLLM holds them until the worker reports the request
             # in finished_sending (on success, failure, cancel or deadline; never later than the deadline).
@@ -159,24 +294,31 @@ class KVXferScheduler:
             self._awaiting.add(rid)
             if request.is_finished() and request.status.name == "FINISHED_ABORTED":
                 self._cancel_next[rid] = (st.attempt, "request aborted")
-            info["status"] = "sending"
+            info["status"] = "held" if c.kind == HOLD else "sending"
             return True, {PARAMS_KEY: info}
+        not_done = "not_held" if c.kind == HOLD else "not_sent"
         if c.error:
-            info.update(status="not_sent", error=c.error)
+            info.update(status=not_done, error=c.error)
         elif st.outcome is not None:
             info["status"] = st.outcome[0]
             if st.outcome[1]:
                 info["error"] = st.outcome[1]
         else:
             info.update(
-                status="not_sent",
+                status=not_done,
                 error=f"request finished ({request.status.name.lower()}) before its prompt was computed",
             )
         return False, {PARAMS_KEY: info}
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._awaiting)  # keep an idle engine stepping until every held request is reported
+        # keep an idle engine stepping until every held request and every abandoned fetch is reported
+        return bool(self._awaiting or self._draining)
 
     def pending(self) -> dict[str, str]:
-        """Tracked requests: req -> ``"inflight"`` (ordered, end not heard yet) or ``"tracking"``."""
-        return {rid: ("inflight" if st.inflight else "tracking") for rid, st in self._tracked.items()}
+        """Tracked requests: req -> ``"inflight"`` (ordered, end not heard yet), ``"tracking"``, or for a
+        fetching request ``"fetch:<status>"``."""
+        out = {rid: ("inflight" if st.inflight else "tracking") for rid, st in self._tracked.items()}
+        for rid, f in self._fetches.items():
+            out[rid] = "fetch:" + (f.outcome[0] if f.outcome else "ordered" if f.ordered else "allocated")
+        out.update({rid: "fetch:draining" for rid in self._draining})
+        return out

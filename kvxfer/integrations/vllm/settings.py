@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from ...channel import parse_address
+from ...errors import ConfigError
 
 # A child of vLLM's logger: vLLM's handlers and level apply to it.
 log = logging.getLogger("vllm.kvxfer")
@@ -32,6 +33,9 @@ class Settings:
     transport_options: dict = field(default_factory=dict)
     ship_threads: int = 4  # threads that start shipments (CUDA event, connecting); none waits on one
     producer_workers: int = 8  # kvxfer Producer data-mover threads
+    listen: str = ""  # prefill: "host:port" the worker's Producer listens on for fetches (needed for holds)
+    lease: float = 30.0  # prefill: seconds a held prompt waits to be fetched
+    consumer_listen: str = "127.0.0.1:0"  # decode: the fetching Consumer's listen address
 
     KEYS = (
         "transport",
@@ -45,6 +49,9 @@ class Settings:
         "transport_options",
         "ship_threads",
         "producer_workers",
+        "listen",
+        "lease",
+        "consumer_listen",
     )
 
     @classmethod
@@ -74,9 +81,22 @@ class Settings:
             transport_options=dict(extra.get("transport_options") or {}),
             ship_threads=int(extra.get("ship_threads", cls.ship_threads)),
             producer_workers=int(extra.get("producer_workers", 8)),
+            listen=str(extra.get("listen") or ""),
+            lease=float(extra.get("lease", 30.0)),
+            consumer_listen=str(extra.get("consumer_listen") or "127.0.0.1:0"),
         )
-        if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1:
-            raise ValueError("kvxfer: deadline, connect_timeout, ship_threads and producer_workers must be > 0")
+        if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1 or s.lease <= 0:
+            raise ValueError("kvxfer: deadline, connect_timeout, lease, ship_threads and producer_workers must be > 0")
+        for key in ("listen", "consumer_listen"):
+            value = getattr(s, key)
+            if value:
+                try:
+                    _, port = parse_address(value)
+                except ConfigError as e:
+                    raise ValueError(f"kvxfer: bad {key} address {value!r}: {e}") from None
+                if key == "listen" and port == 0:
+                    # the scheduler half writes this address into the response before the worker listens
+                    raise ValueError("kvxfer: listen needs a concrete port (not 0): decode instances fetch from it")
         return s
 
     def consumer_allowed(self, address: str) -> bool:
@@ -90,16 +110,71 @@ class Settings:
         )
 
 
+PUSH, HOLD, FETCH, NONE = "push", "hold", "fetch", "none"
+
+
+@dataclass
+class Ticket:
+    """A prefill's held prompt, as its response put it under ``"kvxfer"`` (what a decode instance fetches)."""
+
+    address: str
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    lease_expires: float  # time.time() epoch
+    fingerprint: str = ""  # the prefill layout's ``fingerprint_id`` ("" when the prefill did not know it yet)
+
+
 @dataclass
 class Claim:
-    """What the router asked for in ``kv_transfer_params["kvxfer"]``, checked."""
+    """What the router asked for in ``kv_transfer_params["kvxfer"]``, checked.
 
+    ``kind``: ``push`` (a ``consumer`` is named: ship to it), ``hold`` (no consumer: keep the blocks for a fetch),
+    ``fetch`` (a prefill's response with ``status: held``: load its blocks), ``none`` (some other response passed
+    on: nothing to do but say so)."""
+
+    kind: str = PUSH
     consumer: str = ""
     transfer_id: str = ""
     meta: dict = field(default_factory=dict)
     deadline: float = 30.0
     digests: bool = False
-    error: str | None = None  # a malformed claim: nothing is shipped, the error goes back in kv_transfer_params
+    ticket: Ticket | None = None
+    error: str | None = None  # a malformed claim: nothing is moved, the error goes back in kv_transfer_params
+
+
+def _ticket(spec: dict) -> Ticket:
+    def num(key: str, typ: type, positive: bool = True):
+        v = spec.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (typ is int and v != int(v)):
+            raise ValueError(f'ticket field "{key}" must be a{"n integer" if typ is int else " number"}')
+        if positive and not v > 0:
+            raise ValueError(f'ticket field "{key}" must be > 0')
+        return typ(v)
+
+    address = spec.get("address")
+    if not isinstance(address, str) or not address:
+        raise ValueError('ticket field "address" is required')
+    try:
+        parse_address(address)
+    except ConfigError as e:
+        raise ValueError(f"bad ticket address {address!r}: {e}") from None
+    rid = spec.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        raise ValueError('ticket field "request_id" must be a non-empty string')
+    fp = spec.get("fingerprint", "")
+    if not isinstance(fp, str):
+        raise ValueError('ticket field "fingerprint" must be a string')
+    return Ticket(
+        address=address,
+        request_id=rid,
+        num_tokens=num("num_tokens", int),
+        num_blocks=num("num_blocks", int),
+        block_size=num("block_size", int),
+        lease_expires=num("lease_expires", float),
+        fingerprint=fp,
+    )
 
 
 def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
@@ -111,16 +186,32 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
     try:
         if not isinstance(spec, dict):
             raise ValueError(f'"{PARAMS_KEY}" must be an object, got {type(spec).__name__}')
+        if "status" in spec:  # a response passed on: a ticket to fetch, or an outcome to report
+            if spec["status"] != "held":
+                claim.kind = NONE
+                claim.error = f"the prefill did not hold this prompt (status {spec['status']!r})"
+                if spec.get("error"):
+                    claim.error += f": {spec['error']}"
+                return claim
+            claim.kind = FETCH
+            claim.ticket = _ticket(spec)
+            claim.transfer_id = claim.ticket.request_id
+            return claim
         consumer = spec.get("consumer")
-        if not isinstance(consumer, str) or not consumer:
-            raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) is required')
-        try:
-            parse_address(consumer)
-        except Exception as e:  # any parse failure is the router's mistake
-            raise ValueError(f"bad consumer address {consumer!r}: {e}") from None
-        if not settings.consumer_allowed(consumer):
-            raise ValueError(f"consumer {consumer!r} is not in allowed_consumers")
-        claim.consumer = consumer
+        if consumer is None:
+            claim.kind = HOLD
+            if not settings.listen:
+                raise ValueError('no "consumer" named (a hold), but this instance has no "listen" address configured')
+        else:
+            if not isinstance(consumer, str) or not consumer:
+                raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) must be a non-empty string')
+            try:
+                parse_address(consumer)
+            except Exception as e:  # any parse failure is the router's mistake
+                raise ValueError(f"bad consumer address {consumer!r}: {e}") from None
+            if not settings.consumer_allowed(consumer):
+                raise ValueError(f"consumer {consumer!r} is not in allowed_consumers")
+            claim.consumer = consumer
         tid = spec.get("request_id", req_id)
         if not isinstance(tid, str) or not tid:
             raise ValueError('"request_id" must be a non-empty string')
@@ -128,7 +219,7 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
         meta = spec.get("meta", {})
         if not isinstance(meta, dict):
             raise ValueError('"meta" must be an object')
-        msgspec.msgpack.encode(meta)  # it travels in the Admit message
+        msgspec.msgpack.encode(meta)  # it travels in the Admit / Offer message
         claim.meta = meta
         if spec.get("deadline") is not None:
             d = float(spec["deadline"])

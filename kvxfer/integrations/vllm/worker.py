@@ -1,5 +1,7 @@
-"""The connector's worker half (model-runner process): register vLLM's KV tensors with one kvxfer ``Producer``,
-start a push for each ship order after the forward pass, and report each held request exactly once.
+"""The connector's worker half (model-runner process): register vLLM's KV tensors with one kvxfer ``Producer``
+(producer role) and one fetching ``Consumer`` (consumer role); start a push or a hold for each ship order after
+the forward pass, a fetch for each fetch order before it; report each held request in ``finished_sending`` and each
+fetching request in ``finished_recving`` exactly once, after its transfer ended.
 
 No thread waits for a transfer: each push is a future whose done callback (run by the producer's thread that ends
 it) records the outcome, and ``Producer.push`` never waits for a connection (a new consumer's handshake runs on the
@@ -19,12 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CancelledError, ClosedError, DeadlineError, KVXferError
+from ...allocator import FreeList
+from ...consumer import Consumer
+from ...errors import CancelledError, ClosedError, DeadlineError, IncompatibleError, KVXferError, LeaseExpiredError
 from ...layout import KVLayout
 from ...producer import Producer
 from ...transfer import Transfer
-from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
 from .settings import Settings, log
+from .stats import KVXferStats
 
 if TYPE_CHECKING:
     import torch
@@ -40,7 +45,9 @@ class _Shipment:
     def __init__(self, order: ShipOrder):
         self.order = order
         self.t0 = time.monotonic()
-        self.end_by = self.t0 + order.deadline
+        # a push must end by its deadline; a hold waits for its fetch until its lease ends
+        life = order.lease_expires - time.time() if order.lease_expires else order.deadline
+        self.end_by = self.t0 + max(0.0, life)
         self.state = QUEUED
         self.transfer: Transfer | None = None
         self.cancel_reason: str | None = None
@@ -54,7 +61,34 @@ class _Shipment:
 
 
 def _unpushed(o: ShipOrder) -> DeadlineError:
+    if o.lease_expires:
+        return LeaseExpiredError("the lease ended before the hold started")
     return DeadlineError(f"deadline of {o.deadline:g}s passed before the push started")
+
+
+def _moving(t: Transfer | None) -> float:
+    """Seconds the bytes of a transfer moved (a hold's wait for its fetch is not transfer time)."""
+    if t is None:
+        return 0.0
+    end = t.timings.get("moved", t.timings.get("completed", t.timings["submitted"]))
+    start = t.timings.get("admitted", t.timings["submitted"])
+    return end - start if end > start else max(0.0, end - t.timings["submitted"])
+
+
+class _Fetching:
+    """One fetch order on the worker, from the order to its report in ``finished_recving``."""
+
+    def __init__(self, order: FetchOrder):
+        self.order = order
+        self.t0 = time.monotonic()
+        self.transfer: Transfer | None = None
+        self.started = False
+        self.error: KVXferError | None = None  # set when it ended without a transfer (refused before the network)
+        self.cancel_reason: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or (self.transfer is not None and self.transfer.done())
 
 
 class _Launchers:
@@ -89,12 +123,29 @@ class _Launchers:
 class KVXferWorker:
     """Worker-side state and hooks."""
 
-    def __init__(self, settings: Settings, kv_cache_config: KVCacheConfig | None):
+    def __init__(
+        self,
+        settings: Settings,
+        kv_cache_config: KVCacheConfig | None,
+        *,
+        produce: bool = True,
+        fetch: bool = False,
+        block_size: int = 0,
+    ):
         self.settings = settings
+        self.produce, self.fetch = produce, fetch
+        self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
         self._kv_cache_config = kv_cache_config
         self._lock = threading.Lock()
         self._kv_caches: dict[str, torch.Tensor] | None = None
         self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.stats = KVXferStats()
+        self._fingerprint_told = False
+        self._fetches: dict[str, _Fetching] = {}
+        self._fetch_queue: list[_Fetching] = []
+        self._load_errors: set[int] = set()
+        self._fetched: dict[str, dict] = {}
         self.layout: KVLayout | None = None
         self.ratio = 1  # kernel blocks per scheduler block
         self._shipments: dict[str, _Shipment] = {}
@@ -125,22 +176,43 @@ class KVXferWorker:
                 raise ValueError(f"kvxfer: {layout.num_blocks} kernel blocks do not split {sched_blocks} blocks")
             ratio = layout.num_blocks // sched_blocks
         s = self.settings
-        producer = Producer(
-            layout,
-            transport=s.transport,
-            auth=s.auth,
-            deadline=s.deadline,
-            connect_timeout=s.connect_timeout,
-            transport_options=s.transport_options,
-            workers=s.producer_workers,
-        )
+        producer = consumer = None
+        if self.produce:
+            producer = Producer(
+                layout,
+                transport=s.transport,
+                auth=s.auth,
+                deadline=s.deadline,
+                lease=s.lease,
+                connect_timeout=s.connect_timeout,
+                transport_options=s.transport_options,
+                workers=s.producer_workers,
+                listen=s.listen or None,
+            )
+        if self.fetch:
+            # fetches land in blocks vLLM chose: the allocator grants nothing, so unsolicited pushes are Busy
+            consumer = Consumer(
+                layout,
+                transport=s.transport,
+                listen=s.consumer_listen,
+                allocator=FreeList(0),
+                auth=s.auth,
+                deadline=s.deadline,
+                transport_options=s.transport_options,
+                queue_arrivals=False,
+            )
         with self._lock:
-            self.layout, self.ratio, self.producer = layout, ratio, producer
+            self.layout, self.ratio, self.producer, self.consumer = layout, ratio, producer, consumer
+        roles = []
+        if producer is not None:
+            roles.append(f"producer over {producer.transport_name}" + (f" listening on {s.listen}" if s.listen else ""))
+        if consumer is not None:
+            roles.append(f"fetching consumer over {consumer.transport_name} on {consumer.address}")
         log.info(
-            "kvxfer: registered %d KV tensors as %r (transport %s, %d kernel block(s) per block)",
+            "kvxfer: registered %d KV tensors as %r (%s; %d kernel block(s) per block)",
             len(tensors),
             layout,
-            producer.transport_name,
+            ", ".join(roles),
             ratio,
         )
 
@@ -156,11 +228,17 @@ class KVXferWorker:
     def _close_producer(self, reason: str) -> None:
         with self._lock:
             shipments = list(self._shipments.values())
+            fetches = list(self._fetches.values())
             producer, self.producer = self.producer, None
+            consumer, self.consumer = self.consumer, None
         for sh in shipments:
             self._cancel(sh, reason)
+        for fe in fetches:
+            self._cancel_fetch(fe, reason)
         if producer is not None:
             producer.close()
+        if consumer is not None:
+            consumer.close()
 
     # ---- orders ------------------------------------------------------------------------------------------
     def handle_preemptions(self, meta: KVXferConnectorMetadata) -> None:
@@ -170,6 +248,9 @@ class KVXferWorker:
         self._apply_cancels(meta)
         superseded = []
         with self._lock:
+            for fo in meta.fetch:
+                fe = self._fetches[fo.req_id] = _Fetching(fo)
+                self._fetch_queue.append(fe)
             self._delayed |= meta.delayed_free
             for order in meta.ship:
                 old = self._shipments.get(order.req_id)
@@ -202,6 +283,94 @@ class KVXferWorker:
             t.cancel(reason)
         else:
             self._end(sh, "cancelled", reason, if_queued=True)
+
+    # ---- fetching ----------------------------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        """Start this step's fetches; none waits for a byte (the request decodes only after finished_recving)."""
+        with self._lock:
+            queued, self._fetch_queue = self._fetch_queue, []
+        for fe in queued:
+            self._start_fetch(fe)
+
+    def _start_fetch(self, fe: _Fetching) -> None:
+        o = fe.order
+        if fe.cancel_reason is not None:
+            return
+        fe.started = True
+        try:
+            consumer, layout = self.consumer, self.layout
+            if consumer is None or layout is None:
+                raise ClosedError("no KV cache registered (sleeping or shut down)")
+            if o.error:
+                raise KVXferError(o.error)
+            # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
+            if o.block_size != self.block_size:
+                raise IncompatibleError(
+                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}"
+                )
+            if o.fingerprint and o.fingerprint != layout.fingerprint_id:
+                raise IncompatibleError(
+                    f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's "
+                    f"{layout.fingerprint_id}"
+                )
+            remaining = min(o.deadline - (time.monotonic() - fe.t0), o.lease_expires - time.time())
+            if remaining <= 0:
+                raise LeaseExpiredError(f"the lease of hold {o.transfer_id!r} ended before the fetch started")
+            t = consumer.fetch(
+                o.address, o.transfer_id, self._kernel_ids(o.block_ids), skip=o.skip * self.ratio, deadline=remaining
+            )
+        except KVXferError as e:
+            fe.error = e
+            return
+        except Exception as e:  # whatever happens, the request must be reported
+            fe.error = KVXferError(repr(e))
+            return
+        fe.transfer = t
+        if fe.cancel_reason is not None:
+            t.cancel(fe.cancel_reason)
+
+    def _cancel_fetch(self, fe: _Fetching, reason: str) -> None:
+        fe.cancel_reason = reason
+        if fe.transfer is not None:
+            fe.transfer.cancel(reason)
+        elif fe.error is None:
+            fe.error = CancelledError(reason)
+
+    def _fetch_ended(self, rid: str, fe: _Fetching) -> None:
+        """Account one ended fetch (under ``_lock``): its outcome for the scheduler, its blocks if it failed."""
+        o, t = fe.order, fe.transfer
+        error = fe.error if fe.error is not None else (t.error if t is not None else None)
+        seconds = time.monotonic() - fe.t0
+        if error is None:
+            assert t is not None
+            self.stats.record("fetch", ok=True, nbytes=t.nbytes, seconds=_moving(t))
+            self._ended[rid] = (1, "done", None)
+            self._fetched[rid] = {"nbytes": int(t.nbytes), "seconds": round(seconds, 6)}
+            log.debug(
+                "kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds
+            )
+            return
+        self.stats.record("fetch", ok=False)
+        status = "cancelled" if isinstance(error, CancelledError) else "failed"
+        msg = f"{type(error).__name__}: {error}"
+        self._ended[rid] = (1, status, msg)
+        self._fetched[rid] = {"seconds": round(seconds, 6)}
+        # vLLM recomputes these blocks or fails the request (kv_load_failure_policy)
+        self._load_errors.update(o.block_ids)
+        log.warning(
+            "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s",
+            rid,
+            o.transfer_id,
+            o.address,
+            status,
+            seconds,
+            msg,
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
 
     # ---- shipping ----------------------------------------------------------------------------------------
     def wait_for_save(self) -> None:
@@ -254,15 +423,20 @@ class KVXferWorker:
             remaining = sh.end_by - time.monotonic()
             if remaining <= 0:
                 raise _unpushed(o)
-            t = producer.push(
-                o.consumer,
-                o.transfer_id,
-                self._kernel_ids(o.block_ids),
-                meta=o.meta,
-                deadline=remaining,
-                digests=o.digests,
-                retry_busy=self.settings.retry_busy,
-            )
+            if o.kind == "hold":
+                t = producer.hold(
+                    o.transfer_id, self._kernel_ids(o.block_ids), lease=remaining, meta=o.meta, digests=o.digests
+                )
+            else:
+                t = producer.push(
+                    o.consumer,
+                    o.transfer_id,
+                    self._kernel_ids(o.block_ids),
+                    meta=o.meta,
+                    deadline=remaining,
+                    digests=o.digests,
+                    retry_busy=self.settings.retry_busy,
+                )
         except Exception as e:  # whatever happens, the request must be reported
             self._end_with(sh, e)
             return
@@ -301,30 +475,32 @@ class KVXferWorker:
                 return
             sh.state, sh.error = status, error
         dt = time.monotonic() - sh.t0
+        t = sh.transfer
+        where = o.consumer or "the consumer fetching its hold"
         if status == "done":
-            t = sh.transfer
             log.debug(
                 "kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
                 o.req_id,
                 len(o.block_ids),
                 t.nbytes if t else 0,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
             )
         elif status == "cancelled":
-            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, o.consumer, dt, error)
+            log.info("kvxfer: request %s: shipment to %s cancelled after %.3fs: %s", o.req_id, where, dt, error)
         else:
             log.warning(
                 "kvxfer: request %s: shipment to %s (as %r) failed after %.3fs: %s",
                 o.req_id,
-                o.consumer,
+                where,
                 o.transfer_id,
                 dt,
                 error,
             )
         with self._lock:
             self._ended[o.req_id] = (o.attempt, status, error)
+            self.stats.record(o.kind, ok=status == "done", nbytes=t.nbytes if t else 0, seconds=_moving(t))
 
     def _expire_queued(self) -> None:
         """A shipment still queued at its deadline (its launcher busy connecting elsewhere) fails now."""
@@ -336,10 +512,22 @@ class KVXferWorker:
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Report each held request once: after it finished in vLLM and its transfer ended (any outcome)."""
+        """Report each held request once: after it finished in vLLM and its transfer ended (any outcome); each
+        fetching request once its fetch ended (any outcome: a failed one's blocks go to the load errors)."""
         self._expire_queued()
         sending: set[str] = set()
+        recving: set[str] = set()
         with self._lock:
+            abandoned = [fe for rid in finished_req_ids if (fe := self._fetches.get(rid)) is not None]
+        for fe in abandoned:  # finished (aborted) while loading: stop, vLLM frees the blocks once reported
+            if not fe.ended:
+                self._cancel_fetch(fe, "request finished while its KV was loading")
+        with self._lock:
+            for rid, fe in list(self._fetches.items()):
+                if fe.ended:
+                    del self._fetches[rid]
+                    self._fetch_ended(rid, fe)
+                    recving.add(rid)
             for rid in finished_req_ids:
                 if rid in self._delayed:
                     self._delayed.discard(rid)
@@ -355,14 +543,24 @@ class KVXferWorker:
             for rid, sh in list(self._shipments.items()):
                 if sh.forget and sh.ended:
                     del self._shipments[rid]
-        return (sending or None), None
+        return (sending or None), (recving or None)
 
     def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
+        # The layout id goes to the scheduler here, not through get_handshake_metadata: MultiConnector forwards
+        # only its first child's handshake metadata, which would hide NixlConnector's when this child comes first.
+        fp = ""
         with self._lock:
-            if not self._ended:
+            if not self._fingerprint_told and self.layout is not None and self.produce:
+                fp, self._fingerprint_told = self.layout.fingerprint_id, True
+            if not self._ended and not fp:
                 return None
             ended, self._ended = self._ended, {}
-        return KVXferWorkerMetadata(ended)
+            fetched, self._fetched = self._fetched, {}
+        return KVXferWorkerMetadata(ended, fetched, fp)
+
+    def get_kv_connector_stats(self) -> KVXferStats | None:
+        with self._lock:
+            return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
         self._close_producer("connector shut down")
@@ -371,4 +569,6 @@ class KVXferWorker:
     def pending(self) -> dict[str, str]:
         """req -> state of every shipment not yet forgotten (queued, launching, shipping, done, failed, ...)."""
         with self._lock:
-            return {rid: sh.state for rid, sh in self._shipments.items()}
+            out = {rid: sh.state for rid, sh in self._shipments.items()}
+            out.update({rid: "fetching" for rid in self._fetches})
+            return out
