@@ -332,3 +332,21 @@ def test_hold_of_an_aborted_request_is_cancelled_and_freed(vh, engines):
     assert out["status"] == "failed" and out["error"].startswith("StaleError"), out
     assert d.first_computed["d-a"] == 0
     d.assert_no_leaks()
+
+
+def test_a_ticket_the_decode_cache_already_covers_is_declined_at_once(vh, engines):
+    """The decode instance's own prefix cache holds the whole held prompt: it fetches nothing and tells the
+    prefill, which frees the held blocks now rather than at the end of the 30 s lease."""
+    p, d = _pair(vh, engines, "tcp")
+    t1 = _prefill(vh, p, "p-a", 40, seed=6)
+    d.add(vh.make_request("d-a", 40, 2, t1, seed=6))
+    _run_both(p, d)  # the decode side now caches the first two blocks (32 tokens)
+    t2 = _prefill(vh, p, "p-c", 32, seed=6)  # a hold of exactly those 32 tokens
+    d.add(vh.make_request("d-c", 40, 2, t2, seed=6))
+    t0 = time.monotonic()
+    _run_both(p, d)
+    assert p.finished_sending.get("p-c") == 1 and time.monotonic() - t0 < 10
+    assert d.outputs["d-c"]["kv_transfer_params"]["kvxfer"]["status"] == "not_fetched"
+    assert "d-c" not in {o.req_id for o in d.worker.fetch_orders}
+    p.assert_no_leaks()
+    d.assert_no_leaks()
