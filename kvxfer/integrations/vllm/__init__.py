@@ -27,6 +27,7 @@ The modules, one job each:
 - ``stats``: the transfers, per kind, for vLLM's connector stats and Prometheus metrics.
 - ``metadata``: what the halves send each other every step.
 - ``settings``: ``kv_connector_extra_config`` and the per-request claim.
+- ``plugin``: the ``vllm.general_plugins`` entry point that registers the connector's name in every vLLM process.
 
 Supported: vLLM >=0.32,<0.34 (0.33 adds ``supports_sleep_mode`` / ``unregister_kv_caches`` /
 ``restore_kv_caches``), one KV-cache group, tensor- and pipeline-parallel size 1. See docs/vllm.md.
@@ -34,6 +35,7 @@ Supported: vLLM >=0.32,<0.34 (0.33 adds ``supports_sleep_mode`` / ``unregister_k
 
 from .connector import KVXferConnector
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .plugin import register
 from .scheduler import KVXferScheduler
 from .settings import PARAMS_KEY, Claim, Settings, Ticket, parse_claim
 from .stats import KVXferStats
@@ -53,4 +55,5 @@ __all__ = [
     "ShipOrder",
     "Ticket",
     "parse_claim",
+    "register",
 ]
