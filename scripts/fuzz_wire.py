@@ -72,13 +72,16 @@ def corpus() -> list[wire._Msg]:
         wire.Hello(version=wire.VERSION, peer_id="prefill-0", nonce=b"\x02" * 32),
         wire.Challenge(version=wire.VERSION, peer_id="decode-0", nonce=b"\x03" * 32, proof=b"\x04" * 32),
         wire.Proof(proof=b"\x05" * 32, layout=lay, transports=[("nixl", b"\x01" * 40), ("tcp", b"")]),
-        wire.Welcome(session=7, layout=lay, transport="nixl", transport_meta=b"\x01" * 40, mac=b"\x06" * 32),
+        wire.Welcome(
+            session=7, layout=lay, transport="nixl", transport_meta=b"\x01" * 40, mac=b"\x06" * 32, address="10.0.0.2:7"
+        ),
         wire.Admit(
             req="req-1", num_blocks=4, deadline_ms=30000, meta=meta, senders=2, part=1, layers=[0, 1], attempt=3
         ),
         wire.Grant(req="req-1", gen=9, ids=ids, attempt=3),
         wire.Busy(req="req-1", retry_after_ms=250, reason="full", attempt=3),
         wire.Offer(req="req-2", gen=10, ids=ids, lease_ms=5000, meta=meta, digests=b"\x00" * 32),
+        wire.Fetch(req="req-3", num_blocks=4, skip=2, attempt=5),
         wire.Done(req="req-1", gen=9, nbytes=32768, meta=meta, digests=b"\x11" * 32),
         wire.Released(req="req-2", gen=10, nbytes=32768),
         wire.Ack(req="req-1", gen=9),

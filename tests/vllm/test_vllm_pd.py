@@ -300,3 +300,53 @@ def test_unmappable_allocation_still_reports_the_request(vh, engines):
     p.worker.kvxfer.connector_worker.unregister_kv_caches()
     p.run()
     p.assert_no_leaks()
+
+
+def test_hold_of_an_aborted_request_is_cancelled_and_freed(vh, engines):
+    """A prefill request that decodes on after its prompt (max_tokens > 1) is held from the prompt's step; aborted
+    then, its hold is cancelled, vLLM frees the blocks once the worker reported it, and a later fetch of its
+    ticket fails (StaleError) and is recomputed on the decode side."""
+    p, d = _pair(vh, engines, "tcp", policy="recompute")
+    p.add(vh.make_request("p-a", 40, 50, {"kvxfer": {}}, seed=12))
+    p.run(until=lambda e: any(o.req_id == "p-a" for o in e.worker.orders) and e.outputs.get("p-a", {}).get("tokens"))
+    assert p.worker.kvxfer.pending() == {"p-a": "shipping"}  # held while it decodes on
+    p.abort("p-a")
+    p.run()
+    assert p.finished_sending == {"p-a": 1}
+    assert "kv_transfer_params" not in p.outputs["p-a"]  # an aborted request answers nobody
+    p.assert_no_leaks()
+    assert p.stats.data["hold"]["failures"] == 1
+    # a ticket for it (as if a router had it from elsewhere) is stale now
+    r = {
+        "status": "held",
+        "address": p.kvxfer.settings.listen,
+        "request_id": "p-a",
+        "num_tokens": 40,
+        "num_blocks": 3,
+        "block_size": BLOCK,
+        "lease_expires": time.time() + 30,
+    }
+    d.add(vh.make_request("d-a", 40, 1, {"kvxfer": r}, seed=12))
+    d.run()
+    out = d.outputs["d-a"]["kv_transfer_params"]["kvxfer"]
+    assert out["status"] == "failed" and out["error"].startswith("StaleError"), out
+    assert d.first_computed["d-a"] == 0
+    d.assert_no_leaks()
+
+
+def test_a_ticket_the_decode_cache_already_covers_is_declined_at_once(vh, engines):
+    """The decode instance's own prefix cache holds the whole held prompt: it fetches nothing and tells the
+    prefill, which frees the held blocks now rather than at the end of the 30 s lease."""
+    p, d = _pair(vh, engines, "tcp")
+    t1 = _prefill(vh, p, "p-a", 40, seed=6)
+    d.add(vh.make_request("d-a", 40, 2, t1, seed=6))
+    _run_both(p, d)  # the decode side now caches the first two blocks (32 tokens)
+    t2 = _prefill(vh, p, "p-c", 32, seed=6)  # a hold of exactly those 32 tokens
+    d.add(vh.make_request("d-c", 40, 2, t2, seed=6))
+    t0 = time.monotonic()
+    _run_both(p, d)
+    assert p.finished_sending.get("p-c") == 1 and time.monotonic() - t0 < 10
+    assert d.outputs["d-c"]["kv_transfer_params"]["kvxfer"]["status"] == "not_fetched"
+    assert "d-c" not in {o.req_id for o in d.worker.fetch_orders}
+    p.assert_no_leaks()
+    d.assert_no_leaks()

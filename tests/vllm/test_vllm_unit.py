@@ -170,3 +170,25 @@ def test_kernel_blocks_smaller_than_manager_blocks(vh, consumers):
         assert w.pending()["k"] == "done"
     finally:
         w.shutdown()
+
+
+def test_multiconnector_stats_are_rebuilt_by_name_in_a_process_that_never_imported_the_connector(vh):
+    """vLLM's API server rebuilds a MultiConnector's per-child stats by registered connector name; the kvxfer
+    entry point (``vllm.general_plugins``) registers it there, else the first stats end that server."""
+    import importlib.metadata
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    plugins = {e.name: e.value for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert plugins.get("kvxfer") == "kvxfer.integrations.vllm.plugin:register"
+    from kvxfer.integrations.vllm import KVXferConnector, KVXferStats, register
+
+    register()
+    register()  # idempotent: vLLM loads plugins once per process, tests may call it again
+    assert KVConnectorFactory.get_connector_class_by_name("KVXferConnector") is KVXferConnector
+    sent = KVXferStats()
+    sent.record("fetch", nbytes=4096, seconds=0.5, ok=True)
+    rebuilt = MultiConnector.build_kv_connector_stats(data={"KVXferConnector": sent.data})
+    assert isinstance(rebuilt.data["KVXferConnector"], KVXferStats)
+    assert rebuilt.data["KVXferConnector"].data == sent.data

@@ -51,6 +51,7 @@ class KVXferConnectorMetadata(KVConnectorMetadata):
     fetch: list[FetchOrder] = field(default_factory=list)
     cancel: dict[str, tuple[int, str]] = field(default_factory=dict)  # req -> (attempt, reason)
     delayed_free: set[str] = field(default_factory=set)  # request_finished returned True for these
+    decline: list[tuple[str, str, str]] = field(default_factory=list)  # (address, hold id, why): tickets not fetched
 
 
 @dataclass

@@ -66,6 +66,7 @@ class KVXferScheduler:
         self._delayed: set[str] = set()  # to tell the worker in the next metadata
         self._cancel_next: dict[str, tuple[int, str]] = {}
         self._awaiting: set[str] = set()  # delayed, finished_sending not seen yet
+        self._decline_next: list[tuple[str, str, str]] = []  # tickets this instance will not fetch: tell the prefill
 
     # ---- consumer role: loading a held prompt ------------------------------------------------------------
     def _held_tokens(self, request: Request, claim: Claim) -> int:
@@ -96,6 +97,7 @@ class KVXferScheduler:
             return
         if num_external_tokens <= 0:
             f.outcome = ("not_fetched", "nothing to load: the local prefix-cache hit covers the held prompt")
+            self._decline(claim, "the decode side's prefix cache held the whole prompt")
             return
         f.held_tokens = self._held_tokens(request, claim)
         local = f.held_tokens - num_external_tokens
@@ -137,9 +139,15 @@ class KVXferScheduler:
         ids = blocks.get_block_ids()
         st.block_ids = list(ids[0]) if ids else []  # first allocation or resume: the whole table
 
+    def _decline(self, claim: Claim, why: str) -> None:
+        """The worker tells the prefill that this ticket will not be fetched: it frees the blocks now, not at
+        the end of the lease."""
+        if claim.ticket is not None and claim.ticket.address:
+            self._decline_next.append((claim.ticket.address, claim.transfer_id, why))
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
-        meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed)
-        self._cancel_next, self._delayed = {}, set()
+        meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed, decline=self._decline_next)
+        self._cancel_next, self._delayed, self._decline_next = {}, set(), []
         for rid, f in self._fetches.items():
             if f.to_order:
                 f.to_order, f.ordered = False, True
@@ -272,6 +280,10 @@ class KVXferScheduler:
             return False, {PARAMS_KEY: self._fetch_finished(request, f)}
         st = self._tracked.pop(rid, None)
         if st is None:
+            if self.fetch:  # a ticket whose request ended before vLLM allocated its blocks (aborted, say)
+                claim = parse_claim(request.kv_transfer_params, rid, self.settings)
+                if claim is not None and claim.kind == FETCH and not claim.error:
+                    self._decline(claim, f"request finished ({request.status.name.lower()}) before its load began")
             return False, None
         c = st.claim
         info: dict[str, Any] = {
@@ -312,7 +324,7 @@ class KVXferScheduler:
 
     def has_pending_push_work(self) -> bool:
         # keep an idle engine stepping until every held request and every abandoned fetch is reported
-        return bool(self._awaiting or self._draining)
+        return bool(self._awaiting or self._draining or self._decline_next)
 
     def pending(self) -> dict[str, str]:
         """Tracked requests: req -> ``"inflight"`` (ordered, end not heard yet), ``"tracking"``, or for a

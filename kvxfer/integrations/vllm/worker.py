@@ -12,6 +12,7 @@ Shipments go to the launchers grouped by consumer and step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import threading
@@ -203,14 +204,16 @@ class KVXferWorker:
             )
         with self._lock:
             self.layout, self.ratio, self.producer, self.consumer = layout, ratio, producer, consumer
+        roles = []
+        if producer is not None:
+            roles.append(f"producer over {producer.transport_name}" + (f" listening on {s.listen}" if s.listen else ""))
+        if consumer is not None:
+            roles.append(f"fetching consumer over {consumer.transport_name} on {consumer.address}")
         log.info(
-            "kvxfer: registered %d KV tensors as %r (%s%s; %d kernel block(s) per block)",
+            "kvxfer: registered %d KV tensors as %r (%s; %d kernel block(s) per block)",
             len(tensors),
             layout,
-            f"producer over {producer.transport_name}" + (f" listening on {s.listen}" if s.listen else "")
-            if producer
-            else "",
-            f" consumer over {consumer.transport_name} on {consumer.address}" if consumer else "",
+            ", ".join(roles),
             ratio,
         )
 
@@ -244,6 +247,8 @@ class KVXferWorker:
 
     def bind_connector_metadata(self, meta: KVXferConnectorMetadata) -> None:
         self._apply_cancels(meta)
+        for address, hold, why in meta.decline:
+            self._decline(address, hold, why)
         superseded = []
         with self._lock:
             for fo in meta.fetch:
@@ -293,6 +298,7 @@ class KVXferWorker:
     def _start_fetch(self, fe: _Fetching) -> None:
         o = fe.order
         if fe.cancel_reason is not None:
+            self._decline(o.address, o.transfer_id, fe.cancel_reason)
             return
         fe.started = True
         try:
@@ -326,6 +332,12 @@ class KVXferWorker:
         fe.transfer = t
         if fe.cancel_reason is not None:
             t.cancel(fe.cancel_reason)
+
+    def _decline(self, address: str, hold: str, why: str) -> None:
+        consumer = self.consumer
+        if consumer is not None:
+            with contextlib.suppress(KVXferError):  # best effort: the lease frees the blocks anyway
+                consumer.decline(address, hold, why)
 
     def _cancel_fetch(self, fe: _Fetching, reason: str) -> None:
         fe.cancel_reason = reason
