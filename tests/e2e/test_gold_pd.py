@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from .conftest import SERVER_PY, _require, free_port, start_router
+from .conftest import SERVER_PY, _require, free_port, start_decode, start_router
 from .kv_memory import KVCache, corrupt_one_block
 from .vllm_servers import BLOCK, MAX_BATCHED, Server, kvxfer_decode, kvxfer_prefill, multi_config, nixl_config, start
 
@@ -136,12 +136,6 @@ def _kvx_prefill(transport: str) -> dict:
     return kvxfer_prefill(transport, LEASE)
 
 
-# vLLM's MultiConnector rebuilds its children's connector stats by registered connector name in the API server;
-# the KVXferConnector is loaded by module path and not registered, so the first transfer's stats kill the server
-# (ValueError "Connector 'KVXferConnector' is not registered"): a connector defect, fix pending.
-MULTI_STATS_DEFECT = pytest.mark.xfail(
-    strict=True, reason="MultiConnector cannot rebuild the KVXferConnector's stats: its name is not registered"
-)
 CONFIGS = {
     "kvxfer_tcp": Config(lambda: _kvx_prefill("tcp"), lambda: kvxfer_decode("tcp"), policy="recompute", mismatch=True),
     "kvxfer_nixl": Config(lambda: _kvx_prefill("nixl"), lambda: kvxfer_decode("nixl")),
@@ -155,7 +149,7 @@ CONFIGS = {
         policy="recompute",
     ),
 }
-PAIRS = [pytest.param(c, marks=MULTI_STATS_DEFECT) if c.startswith("multi") else c for c in CONFIGS]
+PAIRS = list(CONFIGS)
 # the failure cases run on the pairs named here (the servers of a configuration are shared by all its tests)
 ON_EVERY_PAIR = pytest.mark.parametrize("pd", PAIRS, indirect=True)
 ON_TCP_PAIR = pytest.mark.parametrize("pd", ["kvxfer_tcp"], indirect=True)  # the router's own answers, once
@@ -294,6 +288,26 @@ def test_gold_router_answer_ended_by_the_prefill(pd):
     choice = post(pd.router, "/v1/completions", body)["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["token_ids"] == [first], choice
     assert streamed_ids(pd.router, "/v1/completions", body) == [first]
+    pd.prefill.wait_pool_full()
+
+
+@ON_TCP_PAIR
+def test_gold_router_both_pools_by_header(pd, logs):
+    """With a kvxfer-decode pool beside the vLLM decode pool, "low-latency" keeps going to the former (the prefill
+    pushes to it) and "vllm" to the latter (the prefill holds, the decode instance fetches)."""
+    ep, ep_url = start_decode(logs, "decode-beside-vllm", "--num-blocks", "32", "--dtype", "float32")
+    proc, url = start_router(logs, "router-both", pd.prefill.url, "--decode", ep_url, "--vllm-decode", pd.decode.url)
+    try:
+        prompt = PROMPTS[5]
+        r = httpx.post(f"{url}/v1/completions", json=completion(prompt), headers={"x-kvxfer-route": "vllm"}, timeout=60)
+        assert r.status_code == 200 and token_ids(r.json()) == REFERENCE["prompts"][5], r.text
+        r = httpx.post(f"{url}/v1/completions", json=completion(prompt), headers={"x-kvxfer-route": "low-latency"},
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{ep_url}/info", timeout=5).json()["completed"] == 1
+    finally:
+        proc.kill()
+        ep.kill()
     pd.prefill.wait_pool_full()
 
 
