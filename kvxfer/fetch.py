@@ -122,7 +122,9 @@ class Fetches:
                 if s is not None and s.alive:
                     return s
             c = self.c
-            timeout = max(0.05, min(c.handshake_timeout, deadline - time.monotonic()))
+            # bounded by the fetch's own deadline, not by handshake_timeout (which protects this consumer's
+            # listener from peers it did not choose): a producer busy starting up may be slow to answer
+            timeout = max(0.05, deadline - time.monotonic())
             end = time.monotonic() + timeout
             ch = Channel(connect(address, timeout), c.max_frame)
             try:

@@ -74,8 +74,10 @@ def test_completion_ships_real_kv_with_digests(vllm_server, consumer):
 def test_unclaimed_and_failed_claims_never_fail_the_request(vllm_server, consumer):
     plain = complete(vllm_server, words(40, 9), None, max_tokens=3)
     assert not plain.get("kv_transfer_params")
+    # no "consumer": a hold for a decode instance to fetch, which this server (no "listen") cannot serve
     bad = complete(vllm_server, words(40, 11), {"kvxfer": {"request_id": "no-consumer"}})
-    assert bad["kv_transfer_params"]["kvxfer"]["status"] == "not_sent"
+    assert bad["kv_transfer_params"]["kvxfer"]["status"] == "not_held"
+    assert "listen" in bad["kv_transfer_params"]["kvxfer"]["error"]
     dead = ConsumerProcess(SPEC, "tcp")
     address = dead.address
     dead.kill()
