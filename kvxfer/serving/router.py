@@ -266,15 +266,9 @@ class Router:
             params["kvxfer"]["digests"] = True
         pre["kv_transfer_params"] = params
         pre.pop("stream_options", None)
-        try:
-            r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
-        except httpx.HTTPError as e:
-            self.errors.labels("prefill").inc()
-            return _error(502, f"prefill unreachable: {e}", "upstream_error")
-        if r.status_code != 200:
-            self.errors.labels("prefill").inc()
-            return JSONResponse(_json_or(r), status_code=r.status_code)
-        pj = r.json()
+        pj, failed = await self._prefill_once(path, pre)
+        if failed is not None:
+            return failed
         shipped = (pj.get("kv_transfer_params") or {}).get("kvxfer") or {}
         status = shipped.get("status")
         if status not in SHIPPING:
@@ -380,11 +374,26 @@ class Router:
             await close()
         return JSONResponse(_full(base, chat, "".join(pieces), finish, len(pieces), pj.get("usage", {})))
 
+    async def _prefill_once(self, path: str, pre: dict):
+        """POST the prefill request: its answer's JSON, or (``None``, the response the client gets) when it failed."""
+        import httpx
+        from starlette.responses import JSONResponse
+
+        try:
+            r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
+        except httpx.HTTPError as e:
+            self.errors.labels("prefill").inc()
+            return None, _error(502, f"prefill unreachable: {e}", "upstream_error")
+        if r.status_code != 200:
+            self.errors.labels("prefill").inc()
+            return None, JSONResponse(_json_or(r), status_code=r.status_code)
+        return r.json(), None
+
     async def _pd_vllm(self, request, path: str, content: bytes, body: dict, chat: bool):
         """Prefill holding the KV, then the client's request to a vLLM decode instance with the prefill's
         ``kv_transfer_params``, its answer passed through as it comes."""
         import httpx
-        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.responses import Response, StreamingResponse
 
         assert self.vllm_pool is not None
         candidates = self.vllm_pool.candidates()
@@ -400,15 +409,9 @@ class Router:
             pre["max_completion_tokens"] = 1
         for key in ("stream_options", "min_tokens"):
             pre.pop(key, None)
-        try:
-            r = await self.client.post(f"{self.prefill}{path}", json=pre, timeout=self.prefill_timeout)
-        except httpx.HTTPError as e:
-            self.errors.labels("prefill").inc()
-            return _error(502, f"prefill unreachable: {e}", "upstream_error")
-        if r.status_code != 200:
-            self.errors.labels("prefill").inc()
-            return JSONResponse(_json_or(r), status_code=r.status_code)
-        pj = r.json()
+        pj, failed = await self._prefill_once(path, pre)
+        if failed is not None:
+            return failed
         choice = pj["choices"][0]
         if choice.get("finish_reason") != "length":  # ended at its first token (EOS, a stop string): all of it
             self.ttft.labels("vllm_decode").observe(time.monotonic() - start)
