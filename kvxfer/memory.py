@@ -96,16 +96,42 @@ def as_view(obj) -> TensorView:
     raise LayoutError(f"cannot describe {type(obj).__name__} as KV memory (want torch, cupy or numpy)")
 
 
+def _allocation(view: TensorView) -> tuple[int, int] | None:
+    """The allocation a device view lies in, where its library says (a torch storage, a cupy memory)."""
+    storage = getattr(view.owner, "untyped_storage", None)
+    if callable(storage):
+        st = storage()
+        return st.data_ptr(), st.nbytes()
+    mem = getattr(getattr(view.owner, "data", None), "mem", None)
+    if mem is not None and hasattr(mem, "ptr"):
+        return int(mem.ptr), int(mem.size)
+    return None
+
+
 def merge_regions(views: list[TensorView]) -> list[Region]:
-    """The minimal set of regions covering ``views``: overlapping or touching spans on one device merge."""
-    spans = sorted((v.device, *v.span()) for v in views)
-    out: list[list[int]] = []
-    for dev, lo, hi in spans:
-        if out and out[-1][0] == dev and lo <= out[-1][2]:
-            out[-1][2] = max(out[-1][2], hi)
+    """The minimal set of regions covering ``views``: overlapping spans on one device merge, and so do touching
+    spans of host memory or of one device allocation. Touching device spans of two allocations stay apart:
+    CUDA IPC maps one allocation at a time, and a region across two fails or lands bytes wrong."""
+    spans = sorted(((v.device, *v.span(), None if v.device == HOST else _allocation(v)) for v in views), key=_place)
+    out: list[tuple[int, int, int, tuple[int, int] | None]] = []
+    for dev, lo, hi, alloc in spans:
+        if out and _joins(out[-1], dev, lo, alloc):
+            last = out[-1]
+            out[-1] = (dev, last[1], max(last[2], hi), last[3])
         else:
-            out.append([dev, lo, hi])
-    return [Region(lo, hi - lo, dev) for dev, lo, hi in out]
+            out.append((dev, lo, hi, alloc))
+    return [Region(lo, hi - lo, dev) for dev, lo, hi, _ in out]
+
+
+def _place(span) -> tuple[int, int, int]:
+    return span[0], span[1], span[2]
+
+
+def _joins(last, dev: int, lo: int, alloc) -> bool:
+    """Whether a span starting at ``lo`` extends region ``last`` (device, lo, hi, allocation)."""
+    if last[0] != dev or lo > last[2]:
+        return False
+    return lo < last[2] or dev == HOST or (alloc is not None and alloc == last[3])
 
 
 def host_buffer(region: Region) -> memoryview:

@@ -31,15 +31,38 @@ def test_fake_cuda_array_is_device_memory():
 def test_fake_cuda_layout_registers_as_vram():
     lay = KVLayout.from_tensors([FakeCudaArray((4, 2, 16, 8), ptr=0x7F0000000000 + i * 2048) for i in range(2)])
     assert lay.device == 1
-    assert [r.mem_type for r in lay.regions] == ["VRAM"]  # two touching tensors merge into one region
+    # two touching arrays of unknown allocations stay two regions: CUDA IPC maps one allocation at a time
+    assert [r.mem_type for r in lay.regions] == ["VRAM", "VRAM"]
     assert lay.desc().regions[0].device == 1
 
 
-def test_fake_cuda_layout_is_refused_by_tcp():
+def test_views_of_one_device_allocation_merge_and_two_allocations_do_not():
+    """Per-layer views of one cudaMalloc merge into one region; adjacent allocations (the caching allocator
+    hands them out back to back) never do, as a region across two breaks CUDA IPC."""
+
+    class Mem:
+        def __init__(self, ptr, size):
+            self.ptr, self.size = ptr, size
+
+    def array(ptr, mem):
+        a = FakeCudaArray((4, 2, 16, 8), ptr=ptr)
+        a.data = type("Ptr", (), {"mem": mem})()
+        return a
+
+    one = Mem(0x7F0000000000, 4096)
+    two = Mem(0x7F0000000000 + 4096, 4096)
+    same = KVLayout.from_tensors([array(one.ptr, one), array(one.ptr + 2048, one)])
+    assert [(r.ptr, r.nbytes) for r in same.regions] == [(one.ptr, 4096)]
+    apart = KVLayout.from_tensors([array(one.ptr, one), array(two.ptr, two)])
+    assert [(r.ptr, r.nbytes) for r in apart.regions] == [(one.ptr, 2048), (two.ptr, 2048)]
+
+
+def test_tcp_over_a_fake_cuda_layout_needs_a_gpu_for_its_staging():
+    """TCP stages CUDA memory through pinned host buffers; on a machine without a GPU it says so at once."""
     from kvxfer.transports.tcp import TcpTransport
 
     lay = KVLayout.from_tensors([FakeCudaArray((4, 2, 16, 8))])
-    with pytest.raises(TransportError, match="host memory only"):
+    with pytest.raises(TransportError, match="CUDA"):
         TcpTransport(lay, host=None)
 
 
