@@ -7,8 +7,12 @@ connections carry ``ReadData`` requests from the consumer, answered by the produ
 (``sendmsg``). The bytes of a transfer form one stream in plan order, split into ``streams`` windows that
 move in parallel on separate connections. No byte is copied through a Python object.
 
-``link`` holds the four loops, ``pool`` a link's data connections, ``windows`` the fan-out of a stream into
-windows, ``watchdog`` the thread that stops moves on blocking sockets.
+CUDA memory moves through pinned host staging, chunked and pipelined (``movers.Staged``, ``kvxfer.staging``);
+``staging=True`` sends host memory the same way (how CI runs that path without a GPU).
+
+``link`` holds the four loops, ``movers`` how bytes leave and reach memory, ``pool`` a link's data
+connections, ``windows`` the fan-out of a stream into windows, ``watchdog`` the thread that stops moves on
+blocking sockets.
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ import threading
 
 from ... import wire
 from ...channel import Channel
-from ...errors import TransportError
-from ...memory import HOST, host_buffer
-from ...plan import Extents
+from ...memory import HOST
 from ..base import Peer, Transport
 from .link import TcpLink
+from .movers import Direct, Staged
 from .watchdog import Watchdog
 
 __all__ = ["TcpLink", "TcpTransport"]
@@ -33,25 +36,28 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(
-        self, layout, host, *, streams: int = 1, window_min: int = 8 << 20, tls: ssl.SSLContext | None = None, **_
+        self,
+        layout,
+        host,
+        *,
+        streams: int = 1,
+        window_min: int = 8 << 20,
+        tls: ssl.SSLContext | None = None,
+        staging: bool | None = None,
+        stage_chunk: int = 16 << 20,
+        stage_depth: int = 2,
+        **_,
     ):
         super().__init__(layout, host)
         self.tls = tls  # a producer's client context: its data connections are TLS too
-        if any(r.device != HOST for r in layout.regions):
-            raise TransportError("the tcp transport moves host memory only; use nixl for device memory")
         self.streams = max(1, int(streams))
         self.window_min = window_min
-        self.bufs = [host_buffer(r) for r in layout.regions]
+        if staging is None:
+            staging = any(r.device != HOST for r in layout.regions)
+        self.mover = Staged(layout.regions, stage_chunk, stage_depth) if staging else Direct(layout.regions)
         self.links: dict[int, TcpLink] = {}
         self.watchdog = Watchdog()
         self._lock = threading.Lock()
-
-    def views(self, ext: Extents) -> list[memoryview]:
-        bufs = self.bufs
-        return [
-            bufs[r][o : o + n]
-            for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True)
-        ]
 
     def connect(self, peer: Peer) -> TcpLink:
         link = TcpLink(self, peer)
@@ -86,3 +92,4 @@ class TcpTransport(Transport):
         for link in links:
             link.close()
         self.watchdog.close()
+        self.mover.close()

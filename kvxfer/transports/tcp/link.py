@@ -21,7 +21,7 @@ from ...channel import Channel, remaining
 from ...errors import CancelledError, KVXferError, PeerError, ProtocolError, from_code
 from ...handshake import data_hello
 from ...plan import Extents, extents
-from ...sockets import connect, mapped, recv_views, send_views
+from ...sockets import connect, mapped
 from ..base import Link, Peer, ReadHost, WriteHost
 from . import windows
 from .pool import POLL, Connections
@@ -126,8 +126,8 @@ class TcpLink(Link["TcpTransport"]):
             ch = self.conns.push(check)
             try:
                 ch.send(wire.WriteData(req=req, gen=gen, ids=ids, offset=offset, length=length))
-                views = self.t.views(ext.window(offset, length))
-                self.t.watchdog.guarded(ch.sock, check, functools.partial(send_views, ch.sock, views))
+                move = functools.partial(self.t.mover.send, ch.sock, ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, move)
                 _wait_readable(ch.sock, check)
                 reply = ch.recv(remaining(deadline))
             except BaseException:
@@ -166,10 +166,8 @@ class TcpLink(Link["TcpTransport"]):
                     window = windows.checked(
                         self._extents(ids, getattr(ticket, "layers", None)), msg.offset, msg.length
                     )
-
-                    views = self.t.views(window)
                     check = functools.partial(self._ticket_live, ticket)
-                    self.t.watchdog.guarded(sock, check, functools.partial(recv_views, sock, views))
+                    self.t.watchdog.guarded(sock, check, functools.partial(self.t.mover.recv, sock, window))
                 except KVXferError as e:
                     host.end_write(ticket, 0, e)
                     if not isinstance(e, PeerError):
@@ -203,8 +201,8 @@ class TcpLink(Link["TcpTransport"]):
                     raise from_code(reply.code, reply.message)
                 if reply.length != length:
                     raise ProtocolError(f"asked for {length} bytes, peer sends {reply.length}")
-                views = self.t.views(ext.window(offset, length))
-                self.t.watchdog.guarded(ch.sock, check, functools.partial(recv_views, ch.sock, views))
+                move = functools.partial(self.t.mover.recv, ch.sock, ext.window(offset, length))
+                self.t.watchdog.guarded(ch.sock, check, move)
                 reusable = True
             finally:
                 if reusable:
@@ -238,8 +236,8 @@ class TcpLink(Link["TcpTransport"]):
                     continue
                 try:
                     ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
-                    views = self.t.views(window)
-                    self.t.watchdog.guarded(sock, self._stopped_if_closed, functools.partial(send_views, sock, views))
+                    move = functools.partial(self.t.mover.send, sock, window)
+                    self.t.watchdog.guarded(sock, self._stopped_if_closed, move)
                 except KVXferError as e:
                     host.end_read(ticket, 0, e)
                     raise

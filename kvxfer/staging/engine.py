@@ -1,0 +1,138 @@
+"""The copy-engine interface and its host implementation.
+
+A copy engine moves one window of planned extents (``plan.Extents``: region, offset, length) between the
+registered regions and a contiguous staging slot, without a Python object per piece: the extents are cut into
+rows of their common granularity and copied as one indexed gather per region (``rows``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import TransportError
+from ..memory import HOST, Region
+from ..plan import Extents
+
+
+class Pending:
+    """An issued copy; ``wait`` returns once its last byte landed. The host engine's copies are already done."""
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Pending()
+
+
+@dataclass
+class Slot:
+    """One staging buffer: ``view`` is the host bytes a socket sends from or receives into; ``extra`` holds
+    what an engine keeps per slot (a CUDA stream, a device-side buffer)."""
+
+    view: memoryview
+    ptr: int
+    nbytes: int
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A window of extents as row copies of ``unit`` bytes: per region, source rows and staging rows."""
+
+    unit: int
+    groups: list[tuple[int, np.ndarray, np.ndarray]]  # (region index, region rows, staging rows)
+
+
+def rows(ext: Extents) -> Rows:
+    """Cut ``ext`` into rows of the largest size dividing every offset and length (vectorised)."""
+    offset, nbytes = ext.offset.astype(np.int64), ext.nbytes.astype(np.int64)
+    unit = int(np.gcd.reduce(np.concatenate([offset, nbytes])))
+    counts = nbytes // unit
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts
+    within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+    src = np.repeat(offset // unit, counts) + within
+    where = np.repeat(ext.region.astype(np.int64), counts)
+    dst = np.arange(total, dtype=np.int64)
+    groups = []
+    for r in np.unique(where).tolist():
+        sel = where == r
+        groups.append((r, src[sel], dst[sel]))
+    return Rows(unit, groups)
+
+
+class CopyEngine(ABC):
+    """Gathers extents of the registered ``regions`` into a slot and scatters a slot back into them."""
+
+    name = "engine"
+
+    def __init__(self, regions: list[Region]):
+        self.regions = regions
+
+    @abstractmethod
+    def slot(self, nbytes: int) -> Slot:
+        """A new staging slot of ``nbytes`` host bytes (pinned where the engine copies by DMA)."""
+
+    @abstractmethod
+    def gather(self, ext: Extents, into: Slot) -> Pending:
+        """Start copying the bytes of ``ext``, in order, to ``into[: ext.total]``."""
+
+    @abstractmethod
+    def scatter(self, src: Slot, ext: Extents) -> Pending:
+        """Start copying ``src[: ext.total]`` into the bytes of ``ext``, in order."""
+
+    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing beside their slots)
+        """Release what the engine holds beside its slots."""
+
+
+def _host_array(ptr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
+
+
+class HostEngine(CopyEngine):
+    """Host memory to host memory with numpy's indexed copies: the pipeline's logic, testable without a GPU."""
+
+    name = "host"
+
+    def __init__(self, regions: list[Region]):
+        super().__init__(regions)
+        self._mem = [_host_array(r.ptr, r.nbytes) for r in regions]
+
+    def slot(self, nbytes: int) -> Slot:
+        buf = bytearray(nbytes)
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        return Slot(memoryview(buf), arr.ctypes.data, nbytes, {"array": arr})
+
+    def _pairs(self, ext: Extents, slot: Slot):
+        rw = rows(ext)
+        u = rw.unit
+        staging = slot.extra["array"][: (slot.nbytes // u) * u].reshape(-1, u)
+        for r, src, dst in rw.groups:
+            mem = self._mem[r]
+            yield mem[: (len(mem) // u) * u].reshape(-1, u), src, staging, dst
+
+    def gather(self, ext: Extents, into: Slot) -> Pending:
+        for mem, src, staging, dst in self._pairs(ext, into):
+            staging[dst] = mem[src]
+        return DONE
+
+    def scatter(self, src: Slot, ext: Extents) -> Pending:
+        for mem, rows_, staging, dst in self._pairs(ext, src):
+            mem[rows_] = staging[dst]
+        return DONE
+
+
+def engine_for(regions: list[Region]) -> CopyEngine:
+    """The engine for these regions: host memory gets the host engine, one CUDA device the CUDA engine."""
+    devices = {r.device for r in regions}
+    if devices == {HOST} or not devices:
+        return HostEngine(regions)
+    if len(devices) > 1 or HOST in devices:
+        raise TransportError(f"staging needs the regions on one device, not on {sorted(devices)}")
+    from .cuda import CudaEngine
+
+    return CudaEngine(regions, devices.pop())

@@ -1,0 +1,54 @@
+"""How a TCP link's bytes leave and reach registered memory: straight from host memory (``Direct``), or
+through host staging for memory a socket cannot reach, such as CUDA memory (``Staged``)."""
+
+from __future__ import annotations
+
+import socket
+
+from ...memory import Region, host_buffer
+from ...plan import Extents
+from ...sockets import recv_views, send_views
+from ...staging import Rings, engine_for, recv_staged, send_staged
+
+
+class Direct:
+    """Scatter/gather I/O straight from and into the registered host regions."""
+
+    name = "direct"
+
+    def __init__(self, regions: list[Region]):
+        self.bufs = [host_buffer(r) for r in regions]
+
+    def _views(self, ext: Extents) -> list[memoryview]:
+        bufs = self.bufs
+        return [
+            bufs[r][o : o + n]
+            for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True)
+        ]
+
+    def send(self, sock: socket.socket, ext: Extents) -> None:
+        send_views(sock, self._views(ext))
+
+    def recv(self, sock: socket.socket, ext: Extents) -> None:
+        recv_views(sock, self._views(ext))
+
+    def close(self) -> None:
+        """Nothing of its own to release."""
+
+
+class Staged:
+    """Chunked and pipelined through staging slots of a copy engine (``kvxfer.staging``)."""
+
+    def __init__(self, regions: list[Region], chunk: int, depth: int):
+        self.engine = engine_for(regions)
+        self.name = f"staged-{self.engine.name}"
+        self.rings = Rings(self.engine, chunk, depth)
+
+    def send(self, sock: socket.socket, ext: Extents) -> None:
+        send_staged(sock, ext, self.rings)
+
+    def recv(self, sock: socket.socket, ext: Extents) -> None:
+        recv_staged(sock, ext, self.rings)
+
+    def close(self) -> None:
+        self.engine.close()
