@@ -133,7 +133,16 @@ class Extents:
 
     def window(self, start: int, length: int) -> Extents:
         """The sub-extents covering stream bytes ``[start, start + length)``."""
+        return self._cut(np.cumsum(self.nbytes), start, length)
+
+    def split(self, size: int) -> list[Extents]:
+        """Consecutive windows of at most ``size`` stream bytes covering every byte (running sums computed once,
+        not once per window)."""
         ends = np.cumsum(self.nbytes)
+        total = int(ends[-1]) if len(ends) else 0
+        return [self._cut(ends, o, min(size, total - o)) for o in range(0, total, size)]
+
+    def _cut(self, ends: np.ndarray, start: int, length: int) -> Extents:
         first = int(np.searchsorted(ends, start, side="right"))
         last = int(np.searchsorted(ends, start + length, side="left"))
         sl = slice(first, last + 1)

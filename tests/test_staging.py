@@ -18,7 +18,6 @@ from kvxfer.plan import Extents
 from kvxfer.staging import HostEngine, Rings, recv_staged, send_staged
 from kvxfer.staging.cuda import pieces
 from kvxfer.staging.engine import rows
-from kvxfer.staging.pipeline import chunks
 
 
 def _memory(rng, sizes):
@@ -85,10 +84,18 @@ def test_kernel_piece_table_splits_and_covers_every_byte():
     assert p[1].tolist() == [0, 5000, 5000 + 65536, 5000 + 131072, 300000]
 
 
-def test_chunks_cover_the_window():
-    assert chunks(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert chunks(8, 4) == [(0, 4), (4, 4)]
-    assert chunks(0, 4) == []
+def test_split_cuts_the_stream_into_chunks_that_cover_it():
+    ext = Extents(np.array([0, 1, 0]), np.array([100, 0, 50]), np.array([3, 5, 2]))
+    parts = ext.split(4)
+    assert [p.total for p in parts] == [4, 4, 2]
+    assert [(p.region.tolist(), p.offset.tolist(), p.nbytes.tolist()) for p in parts] == [
+        ([0, 1], [100, 0], [3, 1]),
+        ([1], [1], [4]),
+        ([0], [50], [2]),
+    ]
+    assert [p.total for p in Extents(np.array([0]), np.array([0]), np.array([8])).split(4)] == [4, 4]
+    empty = np.array([], dtype=np.int64)
+    assert Extents(empty, empty, empty).split(4) == []
 
 
 class CountingEngine(HostEngine):
@@ -146,7 +153,7 @@ def test_pipeline_moves_every_byte_over_a_socket(depth, chunk):
     assert not errors
     assert dst_arrays[0][1000 : 1000 + src_ext.total].tobytes() == _reference(src_arrays, src_ext).tobytes()
     for e in (send_engine, recv_engine):
-        assert e.issued == e.waited == len(chunks(src_ext.total, chunk))
+        assert e.issued == e.waited == len(src_ext.split(chunk))
 
 
 def test_a_peer_closing_mid_window_fails_the_receive_with_no_copy_in_flight():

@@ -18,11 +18,6 @@ from ..sockets import recv_views, send_views
 from .engine import CopyEngine, Pending, Slot
 
 
-def chunks(total: int, size: int) -> list[tuple[int, int]]:
-    """(offset, length) of consecutive chunks of at most ``size`` bytes covering ``total``."""
-    return [(o, min(size, total - o)) for o in range(0, total, size)]
-
-
 class Rings:
     """Rings of ``depth`` staging slots of ``chunk`` bytes, one per concurrent move, made on first use."""
 
@@ -44,49 +39,47 @@ class Rings:
             self._free.put(slots)
 
 
-def _settle(pending: list[Pending | None]) -> None:
-    """Wait for every copy still in flight (the slots go back to the ring only idle)."""
-    for p in pending:
-        if p is not None:
-            p.wait()
+@contextmanager
+def _in_flight(rings: Rings) -> Iterator[tuple[list[Slot], list[Pending | None]]]:
+    """A ring and its slots' copies in flight; on the way out, every one of them waited for (the slots go back
+    to the ring only idle, and no copy outlives the move)."""
+    with rings.ring() as slots:
+        pending: list[Pending | None] = [None] * len(slots)
+        try:
+            yield slots, pending
+        finally:
+            for p in pending:
+                if p is not None:
+                    p.wait()
+
+
+def _take(pending: list[Pending | None], s: int) -> None:
+    """Wait for slot ``s``'s copy, if any, before the slot is used again."""
+    p, pending[s] = pending[s], None
+    if p is not None:
+        p.wait()
 
 
 def send_staged(sock: socket.socket, ext: Extents, rings: Rings) -> None:
     """Send the bytes of ``ext`` in order: gather chunk by chunk into the ring, the next while one sends."""
-    parts = chunks(ext.total, rings.chunk)
-    engine = rings.engine
-    with rings.ring() as slots:
+    parts = ext.split(rings.chunk)
+    with _in_flight(rings) as (slots, pending):
         k = len(slots)
-        pending: list[Pending | None] = [None] * k
-        try:
-            for j in range(min(k, len(parts))):
-                pending[j] = engine.gather(ext.window(*parts[j]), slots[j])
-            for i, (_, n) in enumerate(parts):
-                s = i % k
-                p, pending[s] = pending[s], None
-                assert p is not None
-                p.wait()
-                send_views(sock, [slots[s].view[:n]])
-                if i + k < len(parts):
-                    pending[s] = engine.gather(ext.window(*parts[i + k]), slots[s])
-        finally:
-            _settle(pending)
+        for j in range(min(k, len(parts))):
+            pending[j] = rings.engine.gather(parts[j], slots[j])
+        for i, part in enumerate(parts):
+            s = i % k
+            _take(pending, s)
+            send_views(sock, [slots[s].view[: part.total]])
+            if i + k < len(parts):
+                pending[s] = rings.engine.gather(parts[i + k], slots[s])
 
 
 def recv_staged(sock: socket.socket, ext: Extents, rings: Rings) -> None:
     """Receive the bytes of ``ext`` in order: each chunk into a slot, scattered out while the next arrives."""
-    parts = chunks(ext.total, rings.chunk)
-    engine = rings.engine
-    with rings.ring() as slots:
-        k = len(slots)
-        pending: list[Pending | None] = [None] * k
-        try:
-            for i, (o, n) in enumerate(parts):
-                s = i % k
-                p, pending[s] = pending[s], None
-                if p is not None:
-                    p.wait()
-                recv_views(sock, [slots[s].view[:n]])
-                pending[s] = engine.scatter(slots[s], ext.window(o, n))
-        finally:
-            _settle(pending)
+    with _in_flight(rings) as (slots, pending):
+        for i, part in enumerate(ext.split(rings.chunk)):
+            s = i % len(slots)
+            _take(pending, s)
+            recv_views(sock, [slots[s].view[: part.total]])
+            pending[s] = rings.engine.scatter(slots[s], part)
