@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
@@ -112,7 +113,8 @@ def merge_regions(views: list[TensorView]) -> list[Region]:
     """The minimal set of regions covering ``views``: overlapping spans on one device merge, and so do touching
     spans of host memory or of one device allocation. Touching device spans of two allocations stay apart:
     CUDA IPC maps one allocation at a time, and a region across two fails or lands bytes wrong."""
-    spans = sorted(((v.device, *v.span(), None if v.device == HOST else _allocation(v)) for v in views), key=_place)
+    spans = [(v.device, *v.span(), None if v.device == HOST else _allocation(v)) for v in views]
+    spans.sort(key=itemgetter(0, 1, 2))
     out: list[tuple[int, int, int, tuple[int, int] | None]] = []
     for dev, lo, hi, alloc in spans:
         if out and _joins(out[-1], dev, lo, alloc):
@@ -121,10 +123,6 @@ def merge_regions(views: list[TensorView]) -> list[Region]:
         else:
             out.append((dev, lo, hi, alloc))
     return [Region(lo, hi - lo, dev) for dev, lo, hi, _ in out]
-
-
-def _place(span) -> tuple[int, int, int]:
-    return span[0], span[1], span[2]
 
 
 def _joins(last, dev: int, lo: int, alloc) -> bool:

@@ -90,7 +90,7 @@ class CudaEngine(CopyEngine):
             raise TransportError("the pack kernel needs cupy (NVRTC) on this machine")
         self.kernel = kernel
         self.packer = "kernel" if kernel is not None else "torch"
-        self.name = f"cuda-{self.packer}"
+        self._bases = np.array([r.ptr for r in regions], dtype=np.uint64)  # per chunk, only indexed
 
     def slot(self, nbytes: int) -> Slot:
         torch = self.torch
@@ -105,11 +105,11 @@ class CudaEngine(CopyEngine):
             with warnings.catch_warnings():  # cupy 14 prefers Stream.from_external; 13 has only this
                 warnings.simplefilter("ignore", DeprecationWarning)
                 extra["launch"] = cupy.cuda.ExternalStream(stream.cuda_stream, self.device)
-        return Slot(view, host.data_ptr(), nbytes, extra)
+        return Slot(view, nbytes, extra)
 
     def _pack(self, ext: Extents, staging_ptr: int, gather: bool, slot: Slot) -> None:
         """Copy between the extents and the device staging buffer, on the slot's stream."""
-        base = np.array([r.ptr for r in self.regions], dtype=np.uint64)[ext.region] + ext.offset.astype(np.uint64)
+        base = self._bases[ext.region] + ext.offset.astype(np.uint64)
         stage = np.uint64(staging_ptr) + (np.cumsum(ext.nbytes) - ext.nbytes).astype(np.uint64)
         if self.kernel is not None:
             import cupy

@@ -34,7 +34,6 @@ class Slot:
     what an engine keeps per slot (a CUDA stream, a device-side buffer)."""
 
     view: memoryview
-    ptr: int
     nbytes: int
     extra: dict = field(default_factory=dict)
 
@@ -68,8 +67,6 @@ def rows(ext: Extents) -> Rows:
 class CopyEngine(ABC):
     """Gathers extents of the registered ``regions`` into a slot and scatters a slot back into them."""
 
-    name = "engine"
-
     def __init__(self, regions: list[Region]):
         self.regions = regions
 
@@ -85,9 +82,6 @@ class CopyEngine(ABC):
     def scatter(self, src: Slot, ext: Extents) -> Pending:
         """Start copying ``src[: ext.total]`` into the bytes of ``ext``, in order."""
 
-    def close(self) -> None:  # noqa: B027 (optional: most engines hold nothing beside their slots)
-        """Release what the engine holds beside its slots."""
-
 
 def _host_array(ptr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(ptr))
@@ -96,8 +90,6 @@ def _host_array(ptr: int, nbytes: int) -> np.ndarray:
 class HostEngine(CopyEngine):
     """Host memory to host memory with numpy's indexed copies: the pipeline's logic, testable without a GPU."""
 
-    name = "host"
-
     def __init__(self, regions: list[Region]):
         super().__init__(regions)
         self._mem = [_host_array(r.ptr, r.nbytes) for r in regions]
@@ -105,7 +97,7 @@ class HostEngine(CopyEngine):
     def slot(self, nbytes: int) -> Slot:
         buf = bytearray(nbytes)
         arr = np.frombuffer(buf, dtype=np.uint8)
-        return Slot(memoryview(buf), arr.ctypes.data, nbytes, {"array": arr})
+        return Slot(memoryview(buf), nbytes, {"array": arr})
 
     def _pairs(self, ext: Extents, slot: Slot):
         rw = rows(ext)

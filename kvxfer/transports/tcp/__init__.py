@@ -92,4 +92,3 @@ class TcpTransport(Transport):
         for link in links:
             link.close()
         self.watchdog.close()
-        self.mover.close()

@@ -14,8 +14,6 @@ from ...staging import Rings, engine_for, recv_staged, send_staged
 class Direct:
     """Scatter/gather I/O straight from and into the registered host regions."""
 
-    name = "direct"
-
     def __init__(self, regions: list[Region]):
         self.bufs = [host_buffer(r) for r in regions]
 
@@ -32,23 +30,15 @@ class Direct:
     def recv(self, sock: socket.socket, ext: Extents) -> None:
         recv_views(sock, self._views(ext))
 
-    def close(self) -> None:
-        """Nothing of its own to release."""
-
 
 class Staged:
     """Chunked and pipelined through staging slots of a copy engine (``kvxfer.staging``)."""
 
     def __init__(self, regions: list[Region], chunk: int, depth: int):
-        self.engine = engine_for(regions)
-        self.name = f"staged-{self.engine.name}"
-        self.rings = Rings(self.engine, chunk, depth)
+        self.rings = Rings(engine_for(regions), chunk, depth)
 
     def send(self, sock: socket.socket, ext: Extents) -> None:
         send_staged(sock, ext, self.rings)
 
     def recv(self, sock: socket.socket, ext: Extents) -> None:
         recv_staged(sock, ext, self.rings)
-
-    def close(self) -> None:
-        self.engine.close()
