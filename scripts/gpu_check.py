@@ -292,19 +292,29 @@ def raw_nixl(where: str, nbytes: int, repeats: int) -> list[dict]:
     return rows
 
 
+def _gbps(run, nbytes: int, repeats: int, stream=None) -> float:
+    """GB/s of ``run`` moving ``nbytes``: once to warm up, then ``repeats`` times between two device
+    synchronisations, each issued on ``stream`` (None: the current one)."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        with torch.cuda.stream(stream):
+            run()
+    torch.cuda.synchronize()
+    return nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
 def d2d_gbps(nbytes: int, repeats: int = 20) -> float:
     """A torch device-to-device copy of ``nbytes`` (bytes copied per second, each byte counted once)."""
     import torch
 
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return nbytes * repeats / (time.perf_counter() - start) / 1e9
+    return _gbps(functools.partial(dst.copy_, src), nbytes, repeats)
 
 
 def _slices(mem: list, ext):
@@ -369,28 +379,14 @@ def pack_checks(repeats: int) -> list[dict]:
                 "gather": functools.partial(engine.gather, ext, slot),
             }
             for step, run in steps.items():
-                with torch.cuda.stream(stream):
-                    run()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    with torch.cuda.stream(stream):
-                        run()
-                torch.cuda.synchronize()
-                gbps = total * repeats / (time.perf_counter() - start) / 1e9
+                gbps = _gbps(run, total, repeats, stream)
                 rows.append({"case": step, "packer": packer, "page": page, "bytes": total, "gbps": round(gbps, 1)})
                 print(f"  {step:6} {packer:6} {page // 1024:3} KiB pages: {gbps:8.1f} GB/s", flush=True)
     d2d = d2d_gbps(256 << 20)
     rows.append({"case": "d2d", "bytes": 256 << 20, "gbps": round(d2d, 1)})
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    host.copy_(dev)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        host.copy_(dev, non_blocking=True)
-    torch.cuda.synchronize()
-    d2h = (256 << 20) * repeats / (time.perf_counter() - start) / 1e9
+    d2h = _gbps(functools.partial(host.copy_, dev, non_blocking=True), 256 << 20, repeats)
     rows.append({"case": "d2h-pinned", "bytes": 256 << 20, "gbps": round(d2h, 1)})
     print(f"  torch d2d {d2d:.1f} GB/s, d2h pinned {d2h:.1f} GB/s (256 MiB contiguous)", flush=True)
     del mem
@@ -423,7 +419,7 @@ def _ratios(rows: list[dict]) -> list[str]:
             what = f"{r['case']:30} {r['mode']:4} {r['pattern']:10} {r['gbps']:8.2f} GB/s"
             lines.append(f"{what}  {r['ratio_vs_d2d']:.3f}x d2d")
         b = base.get(key(r))
-        if r["transport"] == "tcp" and b:
+        if r["transport"] == "tcp" and b and r["memory"] == "cuda":  # host rows are the baseline itself
             r["ratio_vs_pinned"] = round(r["gbps"] / b["gbps"], 3)
             lines.append(
                 f"{r['case']:30} {r['mode']:4} {r['pattern']:10} {r['gbps']:8.2f} GB/s  "
