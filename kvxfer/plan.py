@@ -9,12 +9,14 @@ loop: a million blocks plan in a few milliseconds.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import BlockError, IncompatibleError
 from .layout import KVLayout
+from .wire import Fingerprint
 
 
 def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
@@ -67,40 +69,96 @@ def _side(layout: KVLayout, bounds: np.ndarray) -> Side:
     return Side(layout.seg_region[seg], layout.seg_offset[seg] + within, layout.seg_stride[seg])
 
 
-def pair(a: KVLayout, b: KVLayout, ranges=None) -> Pairing:
+def _ranges(layout: KVLayout, ranges) -> np.ndarray:
+    if ranges is None:
+        return np.array([[0, layout.block_bytes]], dtype=np.int64)
+    r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    if (
+        not len(r)
+        or (r[:, 0] >= r[:, 1]).any()
+        or r.min() < 0
+        or r.max() > layout.block_bytes
+        or (r[1:, 0] < r[:-1, 1]).any()
+    ):
+        raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
+    return r
+
+
+def _virtual(r: np.ndarray) -> np.ndarray:
+    """Where each range starts in the stream of the selected bytes alone."""
+    return np.concatenate([[0], np.cumsum(r[:, 1] - r[:, 0])[:-1]])
+
+
+def pair(a: KVLayout, b: KVLayout, ranges=None, ranges_b=None) -> Pairing:
     """Cut both layouts' block streams into pieces contiguous on both sides.
 
     ``ranges`` (an Nx2 array of ``[start, end)`` byte ranges of the block stream, sorted and disjoint)
     restricts the pairing to those bytes of every block, e.g. a subset of layers (``layer_ranges``): a
-    transfer then moves only them, in the same piece-major stream order on both sides.
+    transfer then moves only them, in the same piece-major stream order on both sides. ``ranges_b``, when
+    given, selects other bytes on side ``b`` (the selections must be equally long): a shard's whole block into
+    its slice of a larger block (``dim_ranges``), or one slice into another.
     """
-    if a.block_bytes != b.block_bytes:
+    ra = _ranges(a, ranges)
+    rb = ra if ranges_b is None else _ranges(b, ranges_b)
+    if ranges is None and ranges_b is None and a.block_bytes != b.block_bytes:
         raise IncompatibleError(f"block sizes differ: {a.block_bytes} vs {b.block_bytes} bytes")
-    ca = np.cumsum(a.seg_bytes)
-    cb = np.cumsum(b.seg_bytes)
-    bounds = np.union1d(np.concatenate([[0], ca[:-1]]), np.concatenate([[0], cb[:-1]]))
-    if ranges is not None:
-        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if (
-            not len(r)
-            or (r[:, 0] >= r[:, 1]).any()
-            or r.min() < 0
-            or r.max() > a.block_bytes
-            or (r[1:, 0] < r[:-1, 1]).any()
-        ):
-            raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
-        bounds = np.union1d(bounds, r[r < a.block_bytes])
-    sizes = np.diff(np.append(bounds, a.block_bytes))
-    sa, sb = _side(a, bounds), _side(b, bounds)
-    if ranges is not None:
-        hit = np.searchsorted(r[:, 0], bounds, side="right") - 1
-        keep = (hit >= 0) & (bounds < r[np.maximum(hit, 0), 1])
-        sa, sb, sizes = _keep(sa, keep), _keep(sb, keep), sizes[keep]
-    return Pairing(sa, sb, sizes.astype(np.int64))
+    total = int((ra[:, 1] - ra[:, 0]).sum())
+    if total != int((rb[:, 1] - rb[:, 0]).sum()):
+        raise IncompatibleError(f"the selected bytes differ: {total} vs {int((rb[:, 1] - rb[:, 0]).sum())} per block")
+    bounds = [np.zeros(1, dtype=np.int64)]
+    sel = []
+    for lay, r in ((a, ra), (b, rb)):
+        v = _virtual(r)
+        cuts = np.cumsum(lay.seg_bytes)[:-1]
+        i = np.searchsorted(r[:, 0], cuts, side="right") - 1
+        inside = (i >= 0) & (cuts < r[np.maximum(i, 0), 1])
+        bounds += [v, v[i[inside]] + cuts[inside] - r[i[inside], 0]]
+        sel.append((lay, r, v))
+    vb = np.unique(np.concatenate(bounds))
+    sizes = np.diff(np.append(vb, total))
+    sides = []
+    for lay, r, v in sel:
+        i = np.searchsorted(v, vb, side="right") - 1
+        sides.append(_side(lay, r[i, 0] + vb - v[i]))
+    return Pairing(sides[0], sides[1], sizes.astype(np.int64))
 
 
-def _keep(s: Side, keep: np.ndarray) -> Side:
-    return Side(s.region[keep], s.offset[keep], s.stride[keep])
+def order_dims(fp: Fingerprint) -> list[tuple[str, int]]:
+    """The fingerprint's ``order`` as (role, size) pairs, outermost first; an order whose parts differ (spelled
+    ``K[...]``) has no single size per role and raises ``IncompatibleError``."""
+    dims = []
+    for tok in fp.order.split():
+        m = re.fullmatch(r"([A-Z])(\d+)", tok)
+        if m is None:
+            raise IncompatibleError(f"order {fp.order!r}: {tok!r} cannot be sliced (its parts differ)")
+        dims.append((m.group(1), int(m.group(2))))
+    return dims
+
+
+def dim_ranges(fp: Fingerprint, role: str, start: int, stop: int) -> np.ndarray:
+    """The block-stream byte ranges holding indices ``[start, stop)`` of the dimension ``role`` (``"H"``: kv
+    heads, ``"L"``: layers, ...), read from the fingerprint's ``order``, the meaning both sides agreed on.
+    Ranges come in stream order, adjacent ones merged: a head slice of an HND cache is one range per layer and
+    K/V, of an NHD cache one per token. This is how a shard (a tensor-parallel rank's heads, a pipeline stage's
+    layers) addresses its bytes inside a whole block."""
+    dims = order_dims(fp)
+    at = [i for i, (r, _) in enumerate(dims) if r == role]
+    if len(at) != 1:
+        raise IncompatibleError(f"order {fp.order!r} has {len(at)} {role!r} dims; slicing needs exactly one")
+    i, n = at[0], dims[at[0]][1]
+    if not 0 <= start < stop <= n:
+        raise BlockError(f"[{start}, {stop}) is not a slice of the {n} {role!r} of order {fp.order!r}")
+    sizes = [k for _, k in dims]
+    elems = int(np.prod(sizes))
+    if fp.block_bytes % elems:
+        raise IncompatibleError(f"order {fp.order!r} does not divide {fp.block_bytes} bytes per block")
+    inner = fp.block_bytes // elems * int(np.prod(sizes[i + 1 :]))
+    outer = int(np.prod(sizes[:i]))
+    if start == 0 and stop == n:
+        inner, outer, n = inner * n * outer, 1, 1
+        stop = 1
+    base = np.arange(outer, dtype=np.int64) * (n * inner)
+    return np.stack([base + start * inner, base + stop * inner], 1)
 
 
 def layer_ranges(layout: KVLayout, layers) -> np.ndarray:

@@ -1,0 +1,91 @@
+"""Tensor-parallel shards of a KV cache: which kv heads a rank holds, which producer rank ships each head to a
+consumer rank, and the pairing that moves one rank's heads into another's.
+
+vLLM splits the kv heads of every layer evenly across the tensor-parallel ranks; when there are fewer kv heads
+than ranks, each head is replicated on ``tp // num_heads`` consecutive ranks. A rank's cache is then a whole
+cache of its own (its fingerprint says ``H<its heads>``), and the bytes of head ``h`` sit at the same place in
+every block of every rank that holds it, as ``dim_ranges`` reads from the fingerprint. Prefill TP ``p`` and decode
+TP ``d`` may differ: a consumer rank gathers its heads from every producer rank that holds some of them, and a
+replicated head is shipped once, by the lowest producer rank holding it.
+"""
+
+from __future__ import annotations
+
+from .errors import IncompatibleError
+from .layout import KVLayout
+from .plan import Pairing, dim_ranges, order_dims, pair
+from .wire import Fingerprint
+
+Heads = tuple[int, int]  # [start, stop) of the model's kv heads
+
+
+def heads_of(rank: int, tp: int, num_heads: int) -> Heads:
+    """The kv heads tensor-parallel rank ``rank`` of ``tp`` holds, as vLLM shards them."""
+    if not 0 <= rank < tp or num_heads < 1:
+        raise IncompatibleError(f"rank {rank} of tensor-parallel size {tp} with {num_heads} kv heads")
+    if num_heads >= tp:
+        if num_heads % tp:
+            raise IncompatibleError(f"{num_heads} kv heads do not split across {tp} ranks")
+        n = num_heads // tp
+        return rank * n, (rank + 1) * n
+    if tp % num_heads:
+        raise IncompatibleError(f"{num_heads} kv heads cannot be replicated evenly across {tp} ranks")
+    h = rank // (tp // num_heads)
+    return h, h + 1
+
+
+def sources(dst_rank: int, dst_tp: int, src_tp: int, num_heads: int) -> list[tuple[int, Heads]]:
+    """For consumer rank ``dst_rank`` of ``dst_tp``: ``(producer rank, heads)`` for every producer rank of
+    ``src_tp`` that ships some of its heads, each head from the lowest producer rank holding it."""
+    h0, h1 = heads_of(dst_rank, dst_tp, num_heads)
+    out: list[tuple[int, Heads]] = []
+    for r in range(src_tp):
+        s0, s1 = heads_of(r, src_tp, num_heads)
+        lo, hi = max(h0, s0), min(h1, s1)
+        if lo >= hi:
+            continue
+        if out and out[-1][1][1] > lo:  # an earlier rank holds these heads already (replicas)
+            lo = out[-1][1][1]
+            if lo >= hi:
+                continue
+        out.append((r, (lo, hi)))
+    return out
+
+
+def _dims(fp: Fingerprint, held: Heads) -> list[tuple[str, int | None]]:
+    """The order with the head count masked (it is what differs between shards)."""
+    dims = order_dims(fp)
+    n = [k for r, k in dims if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
+    if len(n) != 1 or n[0] != held[1] - held[0] or held[0] < 0:
+        raise IncompatibleError(f"order {fp.order!r} does not hold the {held[1] - held[0]} heads {list(held)}")
+    return [(r, None if r == "H" else k) for r, k in dims]
+
+
+def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads) -> None:
+    """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model that differ only in which
+    heads they hold (and each holds as many heads as it says)."""
+    da, db = _dims(a, a_heads), _dims(b, b_heads)
+    if ("H", None) not in da or ("H", None) not in db:  # where one head sits does not change its bytes
+        da, db = [d for d in da if d[0] != "H"], [d for d in db if d[0] != "H"]
+    if da != db or (a.dtype, a.block_size, a.num_layers) != (b.dtype, b.block_size, b.num_layers):
+        raise IncompatibleError(
+            f"shards of different caches: {a.dtype} {a.order!r} ({a.num_layers} layers, block_size "
+            f"{a.block_size}) vs {b.dtype} {b.order!r} ({b.num_layers} layers, block_size {b.block_size})"
+        )
+
+
+def _ranges(layout: KVLayout, held: Heads, lo: int, hi: int):
+    if held == (lo, hi):
+        return [[0, layout.block_bytes]]
+    return dim_ranges(layout.fingerprint, "H", lo - held[0], hi - held[0])
+
+
+def shard_pairing(a: KVLayout, a_heads: Heads, b: KVLayout, b_heads: Heads, heads: Heads | None = None) -> Pairing:
+    """The pairing moving kv heads ``heads`` (default: all both sides hold) from ``a``, which holds
+    ``a_heads``, into ``b``, which holds ``b_heads``."""
+    a_heads, b_heads = tuple(a_heads), tuple(b_heads)
+    check_shards(a.fingerprint, a_heads, b.fingerprint, b_heads)
+    lo, hi = heads or (max(a_heads[0], b_heads[0]), min(a_heads[1], b_heads[1]))
+    if not (a_heads[0] <= lo < hi <= a_heads[1] and b_heads[0] <= lo < hi <= b_heads[1]):
+        raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {list(a_heads)} and {list(b_heads)}")
+    return pair(a, b, _ranges(a, a_heads, lo, hi), _ranges(b, b_heads, lo, hi))
