@@ -11,9 +11,11 @@ replicated head is shipped once, by the lowest producer rank holding it.
 
 from __future__ import annotations
 
-from .errors import IncompatibleError
+import numpy as np
+
+from .errors import BlockError, IncompatibleError
 from .layout import KVLayout
-from .plan import Pairing, dim_ranges, order_dims, pair
+from .plan import Extents, Pairing, Plan, dim_ranges, make_plan, order_dims, pair
 from .wire import Fingerprint
 
 Heads = tuple[int, int]  # [start, stop) of the model's kv heads
@@ -83,9 +85,61 @@ def _ranges(layout: KVLayout, held: Heads, lo: int, hi: int):
 def shard_pairing(a: KVLayout, a_heads: Heads, b: KVLayout, b_heads: Heads, heads: Heads | None = None) -> Pairing:
     """The pairing moving kv heads ``heads`` (default: all both sides hold) from ``a``, which holds
     ``a_heads``, into ``b``, which holds ``b_heads``."""
-    a_heads, b_heads = tuple(a_heads), tuple(b_heads)
+    a_heads, b_heads = (int(a_heads[0]), int(a_heads[1])), (int(b_heads[0]), int(b_heads[1]))
     check_shards(a.fingerprint, a_heads, b.fingerprint, b_heads)
     lo, hi = heads or (max(a_heads[0], b_heads[0]), min(a_heads[1], b_heads[1]))
     if not (a_heads[0] <= lo < hi <= a_heads[1] and b_heads[0] <= lo < hi <= b_heads[1]):
         raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {list(a_heads)} and {list(b_heads)}")
     return pair(a, b, _ranges(a, a_heads, lo, hi), _ranges(b, b_heads, lo, hi))
+
+
+def check_tokens(a: Fingerprint, b: Fingerprint) -> None:
+    """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model paged with different
+    tokens per block, one a multiple of the other."""
+    ma = [(r, None if r == "N" else k) for r, k in order_dims(a)]
+    mb = [(r, None if r == "N" else k) for r, k in order_dims(b)]
+    big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
+    if ma != mb or ("N", None) not in ma or (a.dtype, a.num_layers) != (b.dtype, b.num_layers) or big % small:
+        raise IncompatibleError(
+            f"blocks of {a.block_size} tokens ({a.dtype} {a.order!r}) do not map onto blocks of {b.block_size} "
+            f"tokens ({b.dtype} {b.order!r})"
+        )
+
+
+def token_plan(a: KVLayout, b: KVLayout, src_ids, dst_ids) -> Plan:
+    """Blocks ``src_ids`` of ``a`` into blocks ``dst_ids`` of ``b`` through token positions, when the two page a
+    request with different tokens per block: token ``t`` of the request is in ``src_ids[t // a.block_size]``
+    and lands in ``dst_ids[t // b.block_size]``. Each side's last block may be partial; a source block's tokens
+    past the request land in the destination's unused slots, never in another block."""
+    fa, fb = a.fingerprint, b.fingerprint
+    check_tokens(fa, fb)
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    if fa.block_size == fb.block_size:
+        return make_plan(pair(a, b), src, dst, a.num_blocks, b.num_blocks)
+    k = max(fa.block_size, fb.block_size) // min(fa.block_size, fb.block_size)
+    many, few = (len(src), len(dst)) if fa.block_size < fb.block_size else (len(dst), len(src))
+    if not (few - 1) * k < many <= few * k:
+        raise BlockError(
+            f"{len(src)} blocks of {fa.block_size} tokens do not cover the tokens of {len(dst)} blocks of "
+            f"{fb.block_size}"
+        )
+    plans = []
+    for j in range(k):
+        if fa.block_size < fb.block_size:  # several source blocks fill one destination block, slice j each
+            s = src[j::k]
+            d = dst[: len(s)]
+            cut = dim_ranges(fb, "N", j * fa.block_size, (j + 1) * fa.block_size)
+            p = pair(a, b, [[0, a.block_bytes]], cut)
+        else:  # slice j of each source block fills one destination block
+            d = dst[j::k]
+            s = src[: len(d)]
+            cut = dim_ranges(fa, "N", j * fb.block_size, (j + 1) * fb.block_size)
+            p = pair(a, b, cut, [[0, b.block_bytes]])
+        if len(s):
+            plans.append(make_plan(p, s, d, a.num_blocks, b.num_blocks))
+    src_x, dst_x = ([getattr(p, side) for p in plans] for side in ("src", "dst"))
+    return Plan(_concat(src_x), _concat(dst_x))
+
+
+def _concat(xs: list[Extents]) -> Extents:
+    return Extents(*(np.concatenate([getattr(x, f) for x in xs]) for f in ("region", "offset", "nbytes")))

@@ -10,35 +10,35 @@ import itertools
 import numpy as np
 import pytest
 
-from kvxfer import IncompatibleError, KVLayout
+from kvxfer import BlockError, IncompatibleError, KVLayout
 from kvxfer.plan import dim_ranges, make_plan
-from kvxfer.shard import check_shards, heads_of, shard_pairing, sources
+from kvxfer.shard import check_shards, heads_of, shard_pairing, sources, token_plan
 
 NB, L, BS, D = 12, 2, 4, 3  # blocks, layers, tokens per block, head_dim (K and V: 2 * D values per token)
 TPS = (1, 2, 4, 8)
 
 
-def _rank_tensors(kind: str, ref: list[np.ndarray] | None, heads: tuple[int, int]):
+def _rank_tensors(kind: str, ref: list[np.ndarray] | None, heads: tuple[int, int], bs: int = BS):
     """One rank's cache holding ``heads`` of every layer, in ``kind``'s memory order, filled from the logical
-    reference ``ref`` (per layer ``[NB, H, BS, 2D]``) or zero; returns (tensors, from_tensors kwargs, logical)."""
+    reference ``ref`` (per layer ``[NB, H, bs, 2D]``) or zero; returns (tensors, from_tensors kwargs, logical)."""
     h = heads[1] - heads[0]
     tensors, logical = [], []
     for layer in range(L):
         src = None if ref is None else ref[layer][:, heads[0] : heads[1]]
         if kind == "hnd":
-            t = np.zeros((NB, h, BS, 2 * D), np.uint8) if src is None else src.copy()
+            t = np.zeros((NB, h, bs, 2 * D), np.uint8) if src is None else src.copy()
             view = lambda t=t: t  # noqa: E731
             dims = "BHND"
         elif kind == "nhd":
             t = (
-                np.zeros((NB, BS, h, 2 * D), np.uint8)
+                np.zeros((NB, bs, h, 2 * D), np.uint8)
                 if src is None
                 else np.ascontiguousarray(src.transpose(0, 2, 1, 3))
             )
             view = lambda t=t: t.transpose(0, 2, 1, 3)  # noqa: E731
             dims = "BNHD"
         else:  # kv_leading: [2, NB, BS, h, D], K then V
-            t = np.zeros((2, NB, BS, h, D), np.uint8)
+            t = np.zeros((2, NB, bs, h, D), np.uint8)
             if src is not None:
                 t[0] = src[..., :D].transpose(0, 2, 1, 3)
                 t[1] = src[..., D:].transpose(0, 2, 1, 3)
@@ -120,3 +120,44 @@ def test_shards_of_different_caches_do_not_pair():
         heads_of(0, 4, 6)
     with pytest.raises(IncompatibleError, match="rank 1 of tensor-parallel size 1"):
         sources(1, 1, 8, 2)
+
+
+@pytest.mark.parametrize("kind", ["hnd", "nhd", "kv_leading"])
+@pytest.mark.parametrize(("bs_a", "bs_b"), [(16, 64), (64, 16), (32, 64), (64, 32), (16, 32), (32, 32)])
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 150])
+def test_block_sizes_map_through_token_positions(kind, bs_a, bs_b, tokens):
+    """A request of ``tokens`` tokens paged in blocks of ``bs_a`` lands token for token in blocks of ``bs_b``,
+    partial last blocks included; blocks outside the request stay untouched."""
+    rng = np.random.default_rng(tokens)
+    heads = (0, 2)
+    ref = [rng.integers(1, 256, (NB, 2, bs_a, 2 * D), dtype=np.uint8) for _ in range(L)]
+    src_t, kw, src_logical = _rank_tensors(kind, ref, heads, bs_a)
+    dst_t, _, dst_logical = _rank_tensors(kind, None, heads, bs_b)
+    a = KVLayout.from_tensors(src_t, block_size=bs_a, **kw)
+    b = KVLayout.from_tensors(dst_t, block_size=bs_b, **kw)
+    src_ids = rng.permutation(NB)[: -(-tokens // bs_a)]
+    dst_ids = rng.permutation(NB)[: -(-tokens // bs_b)]
+    _run(token_plan(a, b, src_ids, dst_ids), a, b)
+    t = np.arange(tokens)
+    for layer in range(L):
+        got, want = dst_logical[layer](), src_logical[layer]()
+        np.testing.assert_array_equal(
+            got[dst_ids[t // bs_b], :, t % bs_b], want[src_ids[t // bs_a], :, t % bs_a], err_msg=f"layer {layer}"
+        )
+        assert not got[np.setdiff1d(np.arange(NB), dst_ids)].any()
+
+
+def test_block_size_mapping_refuses_what_does_not_fit():
+    kw = {"dims": "BHND"}
+    a = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 16)[0], block_size=16, **kw)
+    b = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 64)[0], block_size=64, **kw)
+    c = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 48)[0], block_size=48, **kw)
+    with pytest.raises(BlockError, match="do not cover"):
+        token_plan(a, b, [0, 1, 2, 3, 4], [0])  # 5 blocks of 16 need 2 of 64
+    with pytest.raises(BlockError, match="do not cover"):
+        token_plan(a, b, [0, 1], [0, 1])
+    with pytest.raises(IncompatibleError, match="do not map"):
+        token_plan(c, b, [0], [0])
+    nhd = KVLayout.from_tensors(_rank_tensors("nhd", None, (0, 2), 64)[0], block_size=64, dims="BNHD")
+    with pytest.raises(IncompatibleError, match="do not map"):
+        token_plan(a, nhd, [0], [0])
