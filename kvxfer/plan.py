@@ -102,11 +102,10 @@ def pair(a: KVLayout, b: KVLayout, ranges=None, ranges_b=None) -> Pairing:
     rb = ra if ranges_b is None else _ranges(b, ranges_b)
     if ranges is None and ranges_b is None and a.block_bytes != b.block_bytes:
         raise IncompatibleError(f"block sizes differ: {a.block_bytes} vs {b.block_bytes} bytes")
-    total = int((ra[:, 1] - ra[:, 0]).sum())
-    if total != int((rb[:, 1] - rb[:, 0]).sum()):
-        raise IncompatibleError(f"the selected bytes differ: {total} vs {int((rb[:, 1] - rb[:, 0]).sum())} per block")
-    bounds = [np.zeros(1, dtype=np.int64)]
-    sel = []
+    total, total_b = int((ra[:, 1] - ra[:, 0]).sum()), int((rb[:, 1] - rb[:, 0]).sum())
+    if total != total_b:
+        raise IncompatibleError(f"the selected bytes differ: {total} vs {total_b} per block")
+    bounds, sel = [], []
     for lay, r in ((a, ra), (b, rb)):
         v = _virtual(r)
         cuts = np.cumsum(lay.seg_bytes)[:-1]
@@ -138,9 +137,9 @@ def order_dims(fp: Fingerprint) -> list[tuple[str, int]]:
 def dim_ranges(fp: Fingerprint, role: str, start: int, stop: int) -> np.ndarray:
     """The block-stream byte ranges holding indices ``[start, stop)`` of the dimension ``role`` (``"H"``: kv
     heads, ``"L"``: layers, ...), read from the fingerprint's ``order``, the meaning both sides agreed on.
-    Ranges come in stream order, adjacent ones merged: a head slice of an HND cache is one range per layer and
-    K/V, of an NHD cache one per token. This is how a shard (a tensor-parallel rank's heads, a pipeline stage's
-    layers) addresses its bytes inside a whole block."""
+    Ranges come in stream order: a head slice of an HND cache is one range per layer and K/V, of an NHD cache
+    one per token; the whole dim is the whole block. This is how a shard (a tensor-parallel rank's heads, a
+    pipeline stage's layers) addresses its bytes inside a whole block."""
     dims = order_dims(fp)
     at = [i for i, (r, _) in enumerate(dims) if r == role]
     if len(at) != 1:
@@ -152,11 +151,10 @@ def dim_ranges(fp: Fingerprint, role: str, start: int, stop: int) -> np.ndarray:
     elems = int(np.prod(sizes))
     if fp.block_bytes % elems:
         raise IncompatibleError(f"order {fp.order!r} does not divide {fp.block_bytes} bytes per block")
+    if start == 0 and stop == n:
+        return np.array([[0, fp.block_bytes]], dtype=np.int64)
     inner = fp.block_bytes // elems * int(np.prod(sizes[i + 1 :]))
     outer = int(np.prod(sizes[:i]))
-    if start == 0 and stop == n:
-        inner, outer, n = inner * n * outer, 1, 1
-        stop = 1
     base = np.arange(outer, dtype=np.int64) * (n * inner)
     return np.stack([base + start * inner, base + stop * inner], 1)
 

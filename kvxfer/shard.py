@@ -54,13 +54,17 @@ def sources(dst_rank: int, dst_tp: int, src_tp: int, num_heads: int) -> list[tup
     return out
 
 
+def _masked(fp: Fingerprint, role: str) -> list[tuple[str, int | None]]:
+    """The order with the size of ``role`` masked (it is what differs between two sides)."""
+    return [(r, None if r == role else k) for r, k in order_dims(fp)]
+
+
 def _dims(fp: Fingerprint, held: Heads) -> list[tuple[str, int | None]]:
-    """The order with the head count masked (it is what differs between shards)."""
-    dims = order_dims(fp)
-    n = [k for r, k in dims if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
+    """The order with the head count masked, after checking that it holds ``held``."""
+    n = [k for r, k in order_dims(fp) if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
     if len(n) != 1 or n[0] != held[1] - held[0] or held[0] < 0:
         raise IncompatibleError(f"order {fp.order!r} does not hold the {held[1] - held[0]} heads {list(held)}")
-    return [(r, None if r == "H" else k) for r, k in dims]
+    return _masked(fp, "H")
 
 
 def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads) -> None:
@@ -76,7 +80,7 @@ def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads)
         )
 
 
-def _ranges(layout: KVLayout, held: Heads, lo: int, hi: int):
+def _head_bytes(layout: KVLayout, held: Heads, lo: int, hi: int):
     if held == (lo, hi):
         return [[0, layout.block_bytes]]
     return dim_ranges(layout.fingerprint, "H", lo - held[0], hi - held[0])
@@ -90,14 +94,13 @@ def shard_pairing(a: KVLayout, a_heads: Heads, b: KVLayout, b_heads: Heads, head
     lo, hi = heads or (max(a_heads[0], b_heads[0]), min(a_heads[1], b_heads[1]))
     if not (a_heads[0] <= lo < hi <= a_heads[1] and b_heads[0] <= lo < hi <= b_heads[1]):
         raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {list(a_heads)} and {list(b_heads)}")
-    return pair(a, b, _ranges(a, a_heads, lo, hi), _ranges(b, b_heads, lo, hi))
+    return pair(a, b, _head_bytes(a, a_heads, lo, hi), _head_bytes(b, b_heads, lo, hi))
 
 
 def check_tokens(a: Fingerprint, b: Fingerprint) -> None:
     """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model paged with different
     tokens per block, one a multiple of the other."""
-    ma = [(r, None if r == "N" else k) for r, k in order_dims(a)]
-    mb = [(r, None if r == "N" else k) for r, k in order_dims(b)]
+    ma, mb = _masked(a, "N"), _masked(b, "N")
     big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
     if ma != mb or ("N", None) not in ma or (a.dtype, a.num_layers) != (b.dtype, b.num_layers) or big % small:
         raise IncompatibleError(
