@@ -433,6 +433,7 @@ class Consumer(HandleBase):
                 skip=s.sid,
             )  # on the same session the answer would name the new transfer
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
+        s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
@@ -514,10 +515,14 @@ class Consumer(HandleBase):
     # ---- pull -------------------------------------------------------------------------------------------
     def _offered(self, s: _ConsumerSession, msg: wire.Offer, now: float) -> None:
         fetch = self.fetches.pending(s, msg.req)
+        log.debug("kvxfer offer %s on session %d (%s)", msg.req, s.sid, "a fetch" if fetch else "no fetch waits")
         try:
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
+            if fetch is None and s.fetch_address:
+                # a session this consumer opened carries answers to its fetches only: this one ended meanwhile
+                raise StaleError(f"no fetch of {msg.req!r} waits for this offer (it ended: deadline, cancel or close)")
             if fetch is None:
                 deadline = min(now + self.deadline, lease_end)
                 slot = self.grants.admit_pull(

@@ -148,8 +148,9 @@ class Fetches:
         try:
             s = self._session(f.address, f.deadline)
             with self.lock:
-                if f.cancel_event.is_set():  # cancelled before it was asked: the producer may drop the hold
-                    s.send(wire.Cancel(req=f.req, gen=0, reason="fetch cancelled"))
+                if f.cancel_event.is_set() or f.done():  # ended while connecting: the producer may drop the hold
+                    why = "fetch cancelled" if f.cancel_event.is_set() else "fetch ended before it was asked"
+                    s.send(wire.Cancel(req=f.req, gen=0, reason=why))
                     return
                 if not s.alive:
                     raise PeerError(f"producer {f.address} closed the session")
@@ -157,6 +158,7 @@ class Fetches:
                 s.fetches[f.req] = f
             if not s.send(wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)):
                 raise PeerError(f"producer {f.address} is gone")
+            log.debug("kvxfer fetch %s: asked %s on session %d", f.req, f.address, s.sid)
         except KVXferError as e:
             self.end(f, ClosedError("consumer closed") if self.c.closed else e)
 

@@ -234,6 +234,7 @@ class Producer(HandleBase):
                 s.ch.close()
                 return
             self._fetchers.add(s)
+        log.debug("kvxfer: fetching consumer %s connected", s.address)
         s.thread.start()
 
     # ---- submitting -------------------------------------------------------------------------------------
@@ -356,6 +357,7 @@ class Producer(HandleBase):
     def _offer(self, s: _ProducerSession, t: Transfer) -> None:
         seconds = max(0.0, t.deadline - time.monotonic())
         t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
+        s.transport.expect()
         s.send(
             wire.Offer(
                 req=t.req,
@@ -424,12 +426,14 @@ class Producer(HandleBase):
             s.send(wire.Error(req=msg.req, code=error.code, message=str(error), attempt=msg.attempt))
             return
         assert t is not None
+        log.debug("kvxfer hold %s: fetched by %s", t.req, s.address)
         now = time.monotonic()
         ids = t.src_ids[msg.skip : msg.skip + msg.num_blocks]
         seconds = max(0.0, t.deadline - now)
         t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now).gen
         t._mark(Status.MOVING, "admitted")
         digests = t.digests[4 * msg.skip : 4 * (msg.skip + msg.num_blocks)]
+        s.transport.expect()
         s.send(
             wire.Offer(
                 req=t.req,

@@ -37,6 +37,33 @@ _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
 
 _LIVE: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
 DRAIN = 1.0  # how long a stopped request is still polled for its end (the consumer's quarantine is longer)
+BUSY_WINDOW = 1.0  # seconds of fast polling after a peer was told to move bytes here, or bytes arrived
+
+
+class _AgentLock:
+    """The lock every call into the agent takes, where callers go before the background poller: the poller
+    takes it only when it is free and nobody waits (a plain lock let a busy poller starve a handshake)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0
+
+    def __enter__(self) -> None:
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def acquire_if_free(self) -> bool:
+        return not self._waiting and self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._lock.release()
 
 
 @atexit.register
@@ -104,19 +131,32 @@ class NixlTransport(Transport):
         except ImportError:
             return False
 
-    def __init__(self, layout, host, *, num_threads: int = 0, backends=("UCX",), poll_interval: float = 0.0005, **_):
+    def __init__(
+        self,
+        layout,
+        host,
+        *,
+        num_threads: int = 0,
+        backends=("UCX",),
+        poll_interval: float = 0.0005,
+        poll_idle: float = 0.02,
+        **_,
+    ):
         super().__init__(layout, host)
         api = nixl_api()
         self.mem_type = "DRAM" if layout.device == HOST else "VRAM"
-        self.poll_interval = poll_interval
+        self.poll_interval, self.poll_idle = poll_interval, max(poll_interval, poll_idle)
+        self._busy_until = 0.0
+        self._wake = threading.Event()
         config = api.nixl_agent_config(enable_prog_thread=False, num_threads=num_threads, backends=list(backends))
         self.agent = api.nixl_agent(f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
-        self.lock = threading.Lock()  # the agent runs without NIXL's own locking: every call goes through here
+        self.lock = _AgentLock()  # the agent runs without NIXL's own locking: every call goes through here
         self.ptrs = np.array([r.ptr for r in layout.regions], dtype=np.uint64)
         self.devs = np.array([max(r.device, 0) for r in layout.regions], dtype=np.uint64)
         regs = np.stack([self.ptrs, np.array([r.nbytes for r in layout.regions], dtype=np.uint64), self.devs], 1)
         try:
             self.reg = self.agent.register_memory(regs, self.mem_type)
+            self._meta = self.agent.get_agent_metadata()  # fixed once the memory is registered
         except Exception as e:
             raise _error(e, "registering KV memory with NIXL") from None
         self.links: dict[int, NixlLink] = {}
@@ -132,10 +172,11 @@ class NixlTransport(Transport):
         return self.agent
 
     def local_meta(self) -> bytes:
-        with self.lock:
-            return self._live_agent().get_agent_metadata()
+        self._live_agent()
+        return self._meta
 
     def connect(self, peer: Peer) -> NixlLink:
+        self.expect()  # the new peer's first request needs this side's progress to set up its UCX endpoint
         try:
             with self.lock:
                 name = self._live_agent().add_remote_agent(peer.meta)
@@ -147,6 +188,10 @@ class NixlTransport(Transport):
             self.links[peer.session] = link
             self.by_agent[name] = link
         return link
+
+    def expect(self) -> None:
+        self._busy_until = time.monotonic() + BUSY_WINDOW
+        self._wake.set()
 
     def disconnect(self, session: int) -> None:
         with self.lock:
@@ -160,17 +205,23 @@ class NixlTransport(Transport):
                     self._live_agent().remove_remote_agent(link.remote)
 
     def _poll_loop(self) -> None:
-        """Drain notifications (push arrivals) and progress this agent: a peer's request completes only
-        while the other side progresses, so the idle back-off stays short (about one poll interval)."""
+        """Drain notifications (push arrivals) and progress this agent (a peer's request completes only while
+        this side progresses too). Fast while something is expected or arriving (``BUSY_WINDOW``), backing off
+        to ``poll_idle`` otherwise: every poll takes the GIL and the agent, and in a busy process (a vLLM worker
+        spinning beside other servers on few cores) a fast idle poll starved handshakes and transfers for
+        seconds. The poller takes the agent only when no caller waits for it (``_AgentLock``)."""
         idle = self.poll_interval
         while not self.closed:
-            try:
-                with self.lock:
+            notifs: dict = {}
+            if self.lock.acquire_if_free():
+                try:
                     if self.closed or self.agent is None:
                         return
                     notifs = self.agent.get_new_notifs()
-            except Exception:  # keep polling; a broken peer shows up on its own transfers
-                notifs = {}
+                except Exception:  # keep polling; a broken peer shows up on its own transfers
+                    notifs = {}
+                finally:
+                    self.lock.release()
             got = False
             for agent_name, msgs in notifs.items():
                 link = self.by_agent.get(agent_name.decode() if isinstance(agent_name, bytes) else agent_name)
@@ -182,14 +233,20 @@ class NixlTransport(Transport):
                         continue
                     if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
                         cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
-            idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval)
-            time.sleep(idle)
+            if got:
+                self.expect()
+            busy = time.monotonic() < self._busy_until
+            idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval if busy else self.poll_idle)
+            if self._wake.wait(idle):
+                self._wake.clear()
+                idle = self.poll_interval
 
     def close(self) -> None:
         """Release every NIXL resource now: remote agents, the registration, and the agent itself."""
         if self.closed:
             return
         self.closed = True
+        self._wake.set()
         self._poller.join(1.0)
         with self.lock:
             agent, self.agent = self.agent, None

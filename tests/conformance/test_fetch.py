@@ -167,6 +167,10 @@ def test_a_stopped_producer_fails_the_fetch_at_its_deadline(consumers, producers
         assert time.monotonic() - start < 3.0
     finally:
         p.cont()
+    # resumed, the producer answers a fetch that ended: the consumer refuses that late offer as stale (it has no
+    # blocks to give an unsolicited one), and the hold ends now instead of at its lease
+    ended = wait_for(lambda: (e := p.ended("next"))["done"] and e, 10)
+    assert ended["error"] == StaleError.__name__, ended
     assert wait_for(lambda: c.stats()["inflight"] == c.stats()["dying"] == 0, 5)
 
 

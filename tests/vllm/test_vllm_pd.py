@@ -202,9 +202,12 @@ def test_layout_mismatch_fails_fast_without_a_connection(vh, engines):
     p.assert_no_leaks()
 
 
-def test_lease_expiry_frees_the_prefill_and_the_decode_recomputes(vh, engines):
-    p, d = _pair(vh, engines, "tcp", lease=0.6, policy="recompute")
-    t = _prefill(vh, p, "p-l", 40, seed=4)
+@pytest.mark.parametrize("asked", [False, True], ids=["configured", "per_request"])
+def test_lease_expiry_frees_the_prefill_and_the_decode_recomputes(vh, engines, asked):
+    """The configured lease, or a shorter one the router asked for in the claim."""
+    p, d = _pair(vh, engines, "tcp", lease=30 if asked else 0.6, policy="recompute")
+    t = _prefill(vh, p, "p-l", 40, seed=4, claim={"lease": 0.6} if asked else None)
+    assert t["kvxfer"]["lease_expires"] <= time.time() + 0.6
     assert _held(p) == 3 and not p.finished_sending
     t0 = time.monotonic()
     p.run()  # kept stepping by has_pending_push_work until the lease ended

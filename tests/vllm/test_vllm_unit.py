@@ -45,9 +45,16 @@ def test_parse_claim_and_settings(vh):
         {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": object()}}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "deadline": -1}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": ""}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "lease": 5}},  # a lease is for a hold
     ):
         c = parse_claim(bad, "r", s)
         assert c is not None and c.error, bad
+    held = Settings.from_extra({"listen": "127.0.0.1:5600", "lease": 20})
+    assert parse_claim({"kvxfer": {}}, "r", held).lease == 20
+    assert parse_claim({"kvxfer": {"lease": 2.5}}, "r", held).lease == 2.5
+    assert parse_claim({"kvxfer": {"lease": 99}}, "r", held).lease == 20  # capped by the configured lease
+    for bad_lease in (0, -1, "soon"):
+        assert parse_claim({"kvxfer": {"lease": bad_lease}}, "r", held).error
     with pytest.raises(ValueError):
         Settings.from_extra({"deadline": 0})
     with pytest.raises(ValueError):

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+IDLE_PACE = 0.005  # seconds an engine stepping only for this connector's holds waits per step
+
+
 @dataclass
 class _Tracked:
     claim: Claim
@@ -107,6 +110,7 @@ class KVXferScheduler:
         f.skip = max(0, local) // self.block_size
         f.block_ids = table[f.skip : n]
         f.to_order = True  # vLLM now waits for this request's finished_recving, whatever happens
+        log.debug("kvxfer: request %s: %d held tokens to load, blocks allocated", rid, f.held_tokens)
         if local < 0 or local % self.block_size or len(table) < n:
             f.error = f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks"
             log.error("kvxfer: request %s: %s", rid, f.error)
@@ -146,6 +150,11 @@ class KVXferScheduler:
             self._decline_next.append((claim.ticket.address, claim.transfer_id, why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
+        if not scheduler_output.total_num_scheduled_tokens and self._awaiting and not self._fetches:
+            # The engine steps only so that held prompts get reported (has_pending_push_work): a step with nothing
+            # to compute or order is a poll. Pace it, or an idle prefill spins its engine core for a whole lease,
+            # starving the decode instances that would fetch (two servers on few cores).
+            time.sleep(IDLE_PACE)
         meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed, decline=self._decline_next)
         self._cancel_next, self._delayed, self._decline_next = {}, set(), []
         for rid, f in self._fetches.items():
@@ -217,7 +226,7 @@ class KVXferScheduler:
         st.attempt += 1
         st.inflight = True
         if c.kind == HOLD:
-            st.lease_expires = time.time() + self.settings.lease
+            st.lease_expires = time.time() + c.lease
         meta.ship.append(
             ShipOrder(
                 req_id=rid,

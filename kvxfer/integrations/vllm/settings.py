@@ -139,6 +139,7 @@ class Claim:
     transfer_id: str = ""
     meta: dict = field(default_factory=dict)
     deadline: float = 30.0
+    lease: float = 30.0  # a hold: seconds its blocks wait to be fetched
     digests: bool = False
     ticket: Ticket | None = None
     error: str | None = None  # a malformed claim: nothing is moved, the error goes back in kv_transfer_params
@@ -182,7 +183,7 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
     if not isinstance(params, dict) or PARAMS_KEY not in params:
         return None
     spec = params[PARAMS_KEY]
-    claim = Claim(transfer_id=req_id, deadline=settings.deadline, digests=settings.digests)
+    claim = Claim(transfer_id=req_id, deadline=settings.deadline, lease=settings.lease, digests=settings.digests)
     try:
         if not isinstance(spec, dict):
             raise ValueError(f'"{PARAMS_KEY}" must be an object, got {type(spec).__name__}')
@@ -226,6 +227,13 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
             if not d > 0:
                 raise ValueError('"deadline" must be > 0 seconds')
             claim.deadline = min(d, settings.deadline)
+        if spec.get("lease") is not None:
+            if consumer is not None:
+                raise ValueError('"lease" is for a hold (no "consumer" named)')
+            lease = float(spec["lease"])
+            if not lease > 0:
+                raise ValueError('"lease" must be > 0 seconds')
+            claim.lease = min(lease, settings.lease)
         if spec.get("digests") is not None:
             claim.digests = bool(spec["digests"])
     except (ValueError, TypeError, msgspec.EncodeError) as e:

@@ -320,6 +320,9 @@ class KVXferWorker:
             remaining = min(o.deadline - (time.monotonic() - fe.t0), o.lease_expires - time.time())
             if remaining <= 0:
                 raise LeaseExpiredError(f"the lease of hold {o.transfer_id!r} ended before the fetch started")
+            log.debug(
+                "kvxfer: request %s: fetching %r from %s, %.3fs left", o.req_id, o.transfer_id, o.address, remaining
+            )
             t = consumer.fetch(
                 o.address, o.transfer_id, self._kernel_ids(o.block_ids), skip=o.skip * self.ratio, deadline=remaining
             )

@@ -1,0 +1,84 @@
+"""The NIXL transport's background poller, on a real agent: callers of the agent go before it, and an idle
+endpoint polls slowly. On a busy machine (vLLM workers spinning beside NixlConnector on 2 cores) a fast idle poll
+behind a plain lock starved a fetch's handshake for 20 s and its offer for 10 s."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvxfer import KVLayout
+
+pytest.importorskip("nixl_cu13")
+
+from kvxfer.transports.nixl import NixlTransport, _AgentLock
+
+
+class CountingAgent:
+    """The real agent, with its polls counted."""
+
+    def __init__(self, agent):
+        self.agent, self.polls = agent, 0
+
+    def get_new_notifs(self):
+        self.polls += 1
+        return self.agent.get_new_notifs()
+
+    def __getattr__(self, name):
+        return getattr(self.agent, name)
+
+
+@pytest.fixture
+def transport():
+    t = NixlTransport(KVLayout.from_tensors([np.zeros((8, 2, 16, 8), dtype=np.float32)]), host=None)
+    yield t
+    t.close()
+
+
+def _polls_in(t: NixlTransport, seconds: float) -> int:
+    counting = t.agent = CountingAgent(t.agent)
+    time.sleep(seconds)
+    t.agent = counting.agent
+    return counting.polls
+
+
+def test_an_idle_endpoint_polls_at_its_idle_interval(transport):
+    time.sleep(0.2)  # past the start-up's fast polls
+    assert _polls_in(transport, 1.0) <= 1.0 / transport.poll_idle + 5  # 0.5 ms polls would be ~1000
+
+
+def test_expecting_bytes_polls_fast_again(transport):
+    time.sleep(0.2)
+    transport.expect()
+    fast = _polls_in(transport, 0.3)
+    assert fast > 3 * 0.3 / transport.poll_idle, fast  # a push's arrival is noticed within about a millisecond
+
+
+def test_a_caller_waiting_for_the_agent_goes_before_the_poller():
+    lock, got = _AgentLock(), threading.Event()
+    lock.__enter__()  # a call in progress
+
+    def caller():
+        with lock:
+            got.set()
+
+    threading.Thread(target=caller, daemon=True).start()
+    deadline = time.monotonic() + 5
+    while not lock._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    lock.__exit__(None, None, None)
+    assert got.wait(5)
+    assert lock.acquire_if_free()  # free again, nobody waiting: the poller may take it
+    lock.release()
+
+
+def test_the_poller_never_takes_the_agent_from_a_waiting_caller():
+    lock = _AgentLock()
+    lock.__enter__()
+    threading.Thread(target=lambda: lock.__enter__(), daemon=True).start()
+    deadline = time.monotonic() + 5
+    while not lock._waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    lock.__exit__(None, None, None)  # the caller takes it; the poller must not, even for an instant
+    assert not lock.acquire_if_free()
