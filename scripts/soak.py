@@ -147,7 +147,8 @@ class Soak:
         from kvxfer import DeadlineError, KVXferError
 
         held = self.held
-        while not self.stop_drain.is_set() or held:
+        while True:
+            stopping = self.stop_drain.is_set()  # read before the last get: an arrival handed before the stop is taken
             with self.lock:
                 c = self.consumer
                 try:
@@ -162,7 +163,9 @@ class Soak:
                 if a is not None:
                     self.check_arrival(a)
                     held.append((time.monotonic() + self.rng.uniform(0, 0.15), c, a.req))
-                self.release_held(everything=self.stop_drain.is_set())
+                self.release_held(everything=stopping)
+            if stopping and a is None and not held:
+                return
 
     def check_arrival(self, a) -> None:
         self.arrived += 1
