@@ -520,10 +520,11 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
-            if fetch is None and s.fetch_address:
-                # a session this consumer opened carries answers to its fetches only: this one ended meanwhile
-                raise StaleError(f"no fetch of {msg.req!r} waits for this offer (it ended: deadline, cancel or close)")
             if fetch is None:
+                if s.fetch_address:  # a session this consumer opened answers its fetches only: this one ended
+                    raise StaleError(
+                        f"no fetch of {msg.req!r} waits for this offer (it ended: deadline, cancel or close)"
+                    )
                 deadline = min(now + self.deadline, lease_end)
                 slot = self.grants.admit_pull(
                     s.sid,

@@ -57,7 +57,7 @@ class _AgentLock:
             self._waiting -= 1
 
     def __exit__(self, *exc) -> None:
-        self._lock.release()
+        self.release()
 
     def acquire_if_free(self) -> bool:
         return not self._waiting and self._lock.acquire(blocking=False)
@@ -233,8 +233,8 @@ class NixlTransport(Transport):
                         continue
                     if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
                         cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
-            if got:
-                self.expect()
+            if got:  # more may follow: stay fast (no self-wake: this sleep is already the short one)
+                self._busy_until = time.monotonic() + BUSY_WINDOW
             busy = time.monotonic() < self._busy_until
             idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval if busy else self.poll_idle)
             if self._wake.wait(idle):
