@@ -57,10 +57,11 @@ EXPIRED = ("DeadlineError", "LeaseExpiredError", "TimeoutError")
 def test_pull_ended_early_writes_nothing_after_free(consumer, producer, transport, ending):
     c, p = consumer, producer
     with Throttle(c) as slow:
-        p.start("offer", c.address, "big", N, fill=False, lease=2.0 if ending == "deadline" else 20.0)
+        # the slowed consumer may need a few seconds of a loaded machine to start the pull: the lease leaves room
+        p.start("offer", c.address, "big", N, fill=False, lease=4.0 if ending == "deadline" else 20.0)
         ids = c.wait_bytes(N)
         if ending == "deadline":
-            slow.stop_s = 0.3  # from its first byte the pull now takes many seconds: the lease runs out midway
+            slow.stop_s = 1.0  # from its first byte the pull now takes many seconds: the lease runs out midway
         elif ending == "producer_cancel":
             cancelled = p.cancel("big")
         elif ending == "producer_close":
