@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _kvx
 from .errors import BlockError, IncompatibleError
 from .layout import KVLayout
 from .wire import Fingerprint
@@ -28,15 +29,14 @@ def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
         raise BlockError(f"{what} are empty")
     if a.dtype.kind not in "iu":
         raise BlockError(f"{what} must be integers, got {a.dtype}")
+    if a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
+        raise BlockError(f"{what} out of range: {int(a.max())} not within [0, {num_blocks})")
     a = a.astype(np.int64, copy=False)
-    lo, hi = int(a.min()), int(a.max())
-    if lo < 0 or hi >= num_blocks:
-        raise BlockError(f"{what} out of range: [{lo}, {hi}] not within [0, {num_blocks})")
-    if a.size > 1:
-        seen = np.zeros(hi + 1, dtype=bool)
-        seen[a] = True
-        if np.count_nonzero(seen) != a.size:
-            raise BlockError(f"{what} contain duplicates")
+    status = _kvx.check_ids(a, max(int(num_blocks), 0))  # one pass over a bitmap, in native code
+    if status == 1:
+        raise BlockError(f"{what} out of range: [{int(a.min())}, {int(a.max())}] not within [0, {num_blocks})")
+    if status == 2:
+        raise BlockError(f"{what} contain duplicates")
     return a
 
 
@@ -249,11 +249,23 @@ def _unmerged(sides, offs, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]
     return (*out, run)
 
 
+SAMPLE = 4096  # ids whose neighbours are looked at before a million are
+
+
+def _merges_likely(sides) -> bool:
+    """Whether the first ``SAMPLE`` ids run on (adjacent on every side) often enough to look for merges at all:
+    a shuffled request skips the full scan, whose temporaries cost more than its answer saves."""
+    head = np.ones(min(SAMPLE, len(sides[0][1])) - 1, dtype=bool)
+    for _, ids in sides:
+        head &= np.diff(ids[:SAMPLE]) == 1
+    return bool(np.count_nonzero(head) >= RARE_MERGES * len(head))
+
+
 def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """One piece: adjacency is a property of the ids alone (when blocks are packed), and offsets are computed
     only where runs start. Page faults of fresh 8-byte arrays dominate at a million blocks."""
     size = int(nbytes[0])
-    if n == 1 or any(int(s.stride[0]) != size for s, _ in sides):
+    if n == 1 or any(int(s.stride[0]) != size for s, _ in sides) or not _merges_likely(sides):
         return _unmerged(sides, [_offsets(s, ids) for s, ids in sides], nbytes, n)
     brk = np.empty(n, dtype=bool)
     brk[0] = True

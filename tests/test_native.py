@@ -1,0 +1,215 @@
+"""The native layer (``kvxfer._kvx``, built from native/kvx.c by pip install): scatter/gather socket I/O straight
+from extent arrays, and block-id checks, used as a careless or hostile caller would.
+
+The I/O runs over real socket pairs with small kernel buffers, so every transfer is cut into many partial
+``sendmsg`` / ``recvmsg`` calls that end inside pieces and inside batches of 1024 iovecs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvxfer import _kvx
+from kvxfer.errors import BlockError, DeadlineError, PeerError
+from kvxfer.plan import check_ids
+from kvxfer.sockets import recv_extents, send_extents
+
+
+def _pair(buf: int = 16384) -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf)
+    return a, b
+
+
+class Regions:
+    """Host regions and the (bases, sizes) vectors the native calls take."""
+
+    def __init__(self, *sizes: int, fill: int | None = None, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.arrays = [
+            rng.integers(0, 256, n, dtype=np.uint8) if fill is None else np.full(n, fill, np.uint8) for n in sizes
+        ]
+        self.bases = np.array([a.ctypes.data for a in self.arrays], dtype=np.uint64)
+        self.sizes = np.array(sizes, dtype=np.int64)
+
+    def gather(self, region, offset, nbytes) -> bytes:
+        return b"".join(self.arrays[r][o : o + n].tobytes() for r, o, n in zip(region, offset, nbytes, strict=True))
+
+
+def _laid_out(rng, lengths: np.ndarray, regions: int, gap: int = 7):
+    """Extents of ``lengths`` (some empty) spread over ``regions`` regions, in shuffled order with gaps between
+    them; the region sizes that hold them."""
+    region = rng.integers(0, regions, len(lengths)).astype(np.int64)
+    offset = np.zeros(len(lengths), np.int64)
+    sizes = []
+    for r in range(regions):
+        at = rng.permutation(np.flatnonzero(region == r))
+        ends = np.cumsum(lengths[at] + gap)
+        offset[at] = ends - lengths[at] - gap
+        sizes.append(int(ends[-1]) + gap if len(at) else 1)
+    return (region, offset, lengths.astype(np.int64)), sizes
+
+
+def _cut(rng, total: int, count: int) -> np.ndarray:
+    """``total`` bytes cut into ``count`` pieces at random points (empty pieces included)."""
+    points = np.sort(rng.integers(0, total + 1, count - 1))
+    return np.diff(np.concatenate([[0], points, [total]]))
+
+
+@pytest.mark.parametrize("count,max_piece", [(1, 1 << 20), (3000, 700), (5000, 64)])
+def test_scatter_gather_moves_every_byte_in_stream_order(count, max_piece):
+    """Pieces on each side cut the same stream at different points, in shuffled places of several regions."""
+    rng = np.random.default_rng(count)
+    lengths = rng.integers(0, max_piece + 1, count)
+    (sr, so, sn), ssizes = _laid_out(rng, lengths, 3)
+    (dr, do, dn), dsizes = _laid_out(rng, _cut(rng, int(lengths.sum()), count + 17), 2)
+    src, dst = Regions(*ssizes, seed=1), Regions(*dsizes, fill=0)
+    a, b = _pair()
+    out: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(out, send_extents, a, src.bases, src.sizes, sr, so, sn))
+    t.start()
+    recv_extents(b, dst.bases, dst.sizes, dr, do, dn)
+    t.join(10)
+    assert not out
+    assert dst.gather(dr, do, dn) == src.gather(sr, so, sn)
+    untouched = np.ones(sum(dsizes), bool)
+    cuts = np.concatenate([[0], np.cumsum(dsizes)])
+    for r, o, n in zip(dr, do, dn, strict=True):
+        untouched[cuts[r] + o : cuts[r] + o + n] = False
+    assert not np.concatenate(dst.arrays)[untouched].any(), "bytes landed outside the extents"
+
+
+def _catch(out: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # handed to the test thread
+        out.append(e)
+
+
+def test_a_broadcast_region_column_and_many_batches():
+    """One region index for every piece as a zero-stride view (what the planner hands over), 3 batches' worth."""
+    n, piece = 2500, 512
+    src, dst = Regions(n * 2 * piece, seed=2), Regions(n * 2 * piece, fill=0)
+    region = np.broadcast_to(np.int64(0), n)
+    offset = np.random.default_rng(3).permutation(n).astype(np.int64) * 2 * piece
+    nbytes = np.broadcast_to(np.int64(piece), n)
+    a, b = _pair()
+    t = threading.Thread(target=send_extents, args=(a, src.bases, src.sizes, region, offset, nbytes))
+    t.start()
+    recv_extents(b, dst.bases, dst.sizes, region, offset[::-1].copy(), nbytes)
+    t.join(10)
+    assert dst.gather(region, offset[::-1], nbytes) == src.gather(region, offset, nbytes)
+
+
+@pytest.mark.parametrize(
+    "region,offset,nbytes",
+    [
+        ([1], [0], [16]),  # no such region
+        ([-1], [0], [16]),
+        ([0], [4090], [16]),  # runs past the end
+        ([0], [-8], [16]),
+        ([0], [0], [-1]),
+        ([0], [2**62], [2**62]),  # wraps in 64 bits
+        ([0, 0], [0, 4095], [16, 2]),  # the second piece is the bad one
+    ],
+)
+def test_an_extent_outside_its_region_moves_nothing(region, offset, nbytes):
+    src = Regions(4096)
+    a, b = _pair()
+    with pytest.raises(ValueError, match="outside its region"):
+        _kvx.sendv(a.fileno(), src.bases, src.sizes, *(np.array(v, np.int64) for v in (region, offset, nbytes)), -1)
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        b.recv(1)  # not one byte went out
+
+
+def test_vectors_of_the_wrong_kind_are_refused():
+    src = Regions(4096)
+    a, _ = _pair()
+    ok = np.zeros(1, np.int64)
+    with pytest.raises(TypeError, match="8-byte integers"):
+        _kvx.sendv(a.fileno(), src.bases, src.sizes, ok.astype(np.int32), ok, ok + 1, -1)
+    with pytest.raises(TypeError, match="8-byte integers"):
+        _kvx.sendv(a.fileno(), src.bases, src.sizes, ok, ok.astype(np.float64), ok + 1, -1)
+    with pytest.raises(TypeError):
+        _kvx.sendv(a.fileno(), src.bases, src.sizes, np.zeros((1, 1), np.int64), ok, ok + 1, -1)
+    with pytest.raises(ValueError, match="differ in length"):
+        _kvx.sendv(a.fileno(), src.bases, src.sizes, ok, np.zeros(2, np.int64), ok + 1, -1)
+
+
+def test_a_peer_closing_mid_transfer_is_a_peer_error():
+    dst = Regions(1 << 20, fill=0)
+    a, b = _pair()
+    a.sendall(b"x" * 1000)
+    a.close()
+    one = np.ones(1, np.int64)
+    with pytest.raises(PeerError, match="closed"):
+        recv_extents(b, dst.bases, dst.sizes, 0 * one, 0 * one, one << 20)
+    assert dst.arrays[0][:1000].tobytes() == b"x" * 1000
+
+
+def test_a_socket_timeout_is_a_deadline_error():
+    dst = Regions(4096, fill=0)
+    _a, b = _pair()
+    b.settimeout(0.2)
+    one = np.ones(1, np.int64)
+    with pytest.raises(DeadlineError):
+        recv_extents(b, dst.bases, dst.sizes, 0 * one, 0 * one, one * 100)
+
+
+def test_a_shut_down_socket_ends_a_blocked_send():
+    """The watchdog's way out of a stuck transfer: shutdown() from another thread returns the blocked call."""
+    src = Regions(8 << 20)
+    a, _b = _pair()
+    one = np.ones(1, np.int64)
+    threading.Timer(0.3, lambda: a.shutdown(socket.SHUT_RDWR)).start()
+    with pytest.raises(PeerError):
+        send_extents(a, src.bases, src.sizes, 0 * one, 0 * one, one * (8 << 20))
+
+
+# ---- block ids ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "ids,num_blocks,match",
+    [
+        ([0, 1, 1], 4, "duplicates"),
+        ([3, 0, 3], 4, "duplicates"),
+        ([0, 4], 4, "out of range"),
+        ([-1, 2], 4, "out of range"),
+        ([5], 4, "out of range"),
+        ([0, 2**40, 2**40], 2**41, "duplicates"),  # few ids in a huge range: no bitmap of 2**41 bits
+        ([0, 2**41], 2**41, "out of range"),
+        (np.array([2**64 - 1], np.uint64), 4, "out of range"),
+        (np.array([0, 2**63], np.uint64), 2**62, "out of range"),
+        ([0], 0, "out of range"),
+        ([0, 1], -5, "out of range"),
+    ],
+)
+def test_bad_block_ids(ids, num_blocks, match):
+    with pytest.raises(BlockError, match=match):
+        check_ids(ids, num_blocks)
+
+
+def test_good_block_ids_pass_in_every_integer_type():
+    ids = np.random.default_rng(4).permutation(100_000)
+    for dt in (np.int64, np.uint64, np.int32):
+        out = check_ids(ids.astype(dt), 100_000)
+        assert out.dtype == np.int64 and (out == ids).all()
+    assert (check_ids([2**40 - 1, 5], 2**40) == [2**40 - 1, 5]).all()
+    assert (check_ids(ids[::-3], 100_000) == ids[::-3]).all()  # a strided view
+    assert check_ids([7], 8).tolist() == [7]
+
+
+def test_a_repeat_anywhere_in_a_million_ids_is_found():
+    rng = np.random.default_rng(5)
+    ids = rng.permutation(1_000_000)
+    for at in (1, 500_000, 999_999):
+        bad = ids.copy()
+        bad[at] = bad[rng.integers(0, at)]
+        with pytest.raises(BlockError, match="duplicates"):
+            check_ids(bad, 1_000_000)
