@@ -227,11 +227,12 @@ class Plan:
 
 
 def _offsets(side: Side, ids: np.ndarray) -> np.ndarray:
-    if len(side.offset) == 1:
-        off = ids * side.stride[0]
-        off += side.offset[0]
-        return off
-    return (side.offset[:, None] + side.stride[:, None] * ids[None, :]).ravel()
+    """Piece-major byte offsets of every piece of every block (one native pass per piece)."""
+    n = len(ids)
+    out = np.empty(len(side.offset) * n, dtype=np.int64)
+    for k, (o, s) in enumerate(zip(side.offset.tolist(), side.stride.tolist(), strict=True)):
+        _kvx.affine(ids, s, o, out[k * n : (k + 1) * n])
+    return out
 
 
 RARE_MERGES = 0.01  # below this share of merges, extents stay unmerged: merging is optional, gathers are not free
@@ -282,9 +283,7 @@ def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     starts = np.flatnonzero(brk)
     out = []
     for s, ids in sides:
-        off = ids[starts] * s.stride[0]
-        off += s.offset[0]
-        out += [np.broadcast_to(s.region[0], runs), off]
+        out += [np.broadcast_to(s.region[0], runs), _offsets(s, ids[starts])]
     run = np.diff(np.append(starts, n)) * size
     return (*out, run)
 
