@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="latency mode: blocks per request, uniform (default: 1-16)",
     )
-    r.add_argument("--tcp-streams", type=int, default=1, help="tcp transport: parallel data connections (default: 1)")
+    r.add_argument(
+        "--tcp-streams",
+        type=int,
+        help="tcp transport: parallel data connections (default: the transport's, one per core up to 4)",
+    )
     r.add_argument(
         "--nixl-baseline",
         choices=["same", "per-block"],
@@ -287,7 +291,7 @@ def _main(argv) -> int:
     if args.role == "producer" and not args.connect:
         parser.error("--role producer needs --connect HOST:PORT")
     for name in ("repeats", "tokens", "requests", "concurrency", "tcp_streams"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")

@@ -45,7 +45,7 @@ class Settings:
     requests: int = 200
     concurrency: int = 8
     request_blocks: tuple[int, int] = (1, 16)
-    tcp_streams: int = 1
+    tcp_streams: int | None = None  # None: the transport's default
     nixl_baseline: str = "same"
     deadline: float = 60.0
     seed: int = 0
@@ -215,7 +215,7 @@ class Driver:
     def run_transport(self, name: str, contiguous: np.ndarray, cap: int) -> None:
         s = self.s
         base, with_tls = certs.split(name)
-        opts = {"streams": s.tcp_streams} if base == "tcp" else {}
+        opts = {"streams": s.tcp_streams} if base == "tcp" and s.tcp_streams is not None else {}
         cert_pem, key_pem = certs.self_signed() if with_tls else (None, None)
         opened = self.ctl.call("open", transport=base, options=opts, deadline=s.deadline, cert=cert_pem, key=key_pem)
         address = self._address(opened["address"])
