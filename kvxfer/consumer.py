@@ -32,6 +32,7 @@ from .errors import (
     ClosedError,
     ConfigError,
     DeadlineError,
+    IncompatibleError,
     IntegrityError,
     KVXferError,
     PeerError,
@@ -44,6 +45,7 @@ from .layout import KVLayout
 from .ledger import Grants, Part, Slot
 from .lifecycle import REAP_INTERVAL, HandleBase, ms
 from .plan import check_ids
+from .shard import Selection, coverage
 from .sockets import close
 from .transfer import Arrival
 from .transports.base import Peer, Transport
@@ -139,7 +141,6 @@ class Consumer(HandleBase):
             tombstone_ttl=tombstone_ttl,
             retry_after=retry_after,
             quarantine=quarantine,
-            num_layers=layout.fingerprint.num_layers,
             max_inflight_per_peer=max_inflight_per_peer,
         )
         self.deadline = deadline
@@ -408,6 +409,7 @@ class Consumer(HandleBase):
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
+            part, ranges = self._part(s, msg)
             slot, superseded = self.grants.admit(
                 s.sid,
                 msg.req,
@@ -416,7 +418,8 @@ class Consumer(HandleBase):
                 now,
                 senders=msg.senders,
                 part=msg.part,
-                layers=msg.layers,
+                selection=part,
+                ranges=ranges,
                 meta=msg.meta,
                 one_sided=s.transport.one_sided,
             )
@@ -435,6 +438,22 @@ class Consumer(HandleBase):
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+
+    def _part(self, s: _ConsumerSession, msg: wire.Admit) -> tuple[Selection | None, np.ndarray]:
+        """What an admission carries of every block (its layers or heads) and the bytes of our blocks it fills."""
+        if msg.layers is not None and msg.heads is not None:
+            raise BlockError(f"request {msg.req!r}: a part carries layers or heads, not both")
+        if msg.layers is not None:
+            part = Selection(layers=tuple(sorted(int(x) for x in msg.layers)))
+        elif msg.heads is not None:
+            part = Selection(heads=(int(msg.heads[0]), int(msg.heads[1])))
+        else:
+            return None, coverage(s.peer.layout, self.layout)
+        try:
+            s.link.pairing(part)  # both sides hold what it names (a peer may claim heads it does not hold)
+            return part, part.ranges(s.peer.layout, self.layout)
+        except IncompatibleError as e:
+            raise BlockError(f"request {msg.req!r}: {e}") from None
 
     def _fail_slot(self, slot: Slot, error: KVXferError) -> None:
         if self.grants.fail(slot.req, error, time.monotonic()) is not None:
@@ -536,6 +555,7 @@ class Consumer(HandleBase):
                     dict(msg.meta),
                     msg.digests,
                     one_sided=s.transport.one_sided,
+                    ranges=coverage(s.peer.layout, self.layout),
                 )
             else:
                 if len(src) != len(fetch.ids):
@@ -552,6 +572,7 @@ class Consumer(HandleBase):
                         dict(msg.meta),
                         msg.digests,
                         one_sided=s.transport.one_sided,
+                        ranges=coverage(s.peer.layout, self.layout),
                         ids=fetch.ids,
                     ),
                 )

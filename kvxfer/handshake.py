@@ -7,13 +7,14 @@ layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and
     consumer -> Welcome(session, layout, transport, meta, address,
                         mac = HMAC(key, "welcome" | session | layout | transport | meta | address))
 
-with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. The token never crosses the wire; each side proves
-it over a nonce the other just chose, so a replayed message fails; no layout (whose regions name raw
-addresses) and no transport metadata (a NIXL agent's whole registered region) is revealed before both proofs
-held. Every data connection then proves the session key over a fresh nonce (``DataHello``). An empty token
-is a token like any other: both sides must use it. A fetching consumer connects to a producer's listening
-address instead; the producer still speaks first and the exchange is the same, the Welcome naming the
-consumer's own listening ``address`` (where the producer's TCP data connections go).
+with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. Layouts pair when they mean the same bytes, or when
+both declare which kv heads they hold (tensor-parallel shards of one cache): then over the heads they share. The
+token never crosses the wire; each side proves it over a nonce the other just chose, so a replayed message fails;
+no layout (whose regions name raw addresses) and no transport metadata (a NIXL agent's whole registered region) is
+revealed before both proofs held. Every data connection then proves the session key over a fresh nonce
+(``DataHello``). An empty token is a token like any other: both sides must use it. A fetching consumer connects to
+a producer's listening address instead; the producer still speaks first and the exchange is the same, the Welcome
+naming the consumer's own listening ``address`` (where the producer's TCP data connections go).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import msgspec
 
 from . import wire
 from .errors import AuthError, IncompatibleError, LayoutError, ProtocolError, from_code
-from .layout import KVLayout, check_compatible
-from .plan import Pairing, pair
+from .layout import KVLayout
+from .plan import Pairing
+from .shard import link_pairing
 
 NONCE_BYTES = 32
 _enc = msgspec.msgpack.Encoder()
@@ -65,13 +67,11 @@ def session_key(token: str, nonce_p: bytes, nonce_c: bytes) -> bytes:
     return _mac(_token(token), b"kvxfer-session", nonce_p, nonce_c)
 
 
-def _remote_layout(desc: wire.LayoutDesc, local: KVLayout) -> KVLayout:
+def _remote_layout(desc: wire.LayoutDesc) -> KVLayout:
     try:
-        remote = KVLayout.from_desc(desc)
+        return KVLayout.from_desc(desc)
     except LayoutError as e:
         raise ProtocolError(f"bad layout in handshake: {e}") from None
-    check_compatible(local.fingerprint, remote.fingerprint)
-    return remote
 
 
 # ---- producer side -----------------------------------------------------------------------------------------
@@ -113,8 +113,8 @@ def check_welcome(
         raise AuthError(f"consumer {address} sent a welcome not bound to this session")
     if msg.transport not in offered:
         raise IncompatibleError(f"consumer chose transport {msg.transport!r}, we offered {offered}")
-    remote = _remote_layout(msg.layout, layout)
-    return msg, remote, pair(layout, remote)
+    remote = _remote_layout(msg.layout)
+    return msg, remote, link_pairing(layout, remote)
 
 
 # ---- consumer side -----------------------------------------------------------------------------------------
@@ -151,8 +151,8 @@ def check_proof(
     chosen = next(((name, meta) for name, meta in msg.transports if name in have), None)
     if chosen is None:
         raise IncompatibleError(f"producer offers transports {[n for n, _ in msg.transports]}, consumer has {have}")
-    remote = _remote_layout(msg.layout, layout)
-    return remote, pair(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
+    remote = _remote_layout(msg.layout)
+    return remote, link_pairing(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
 
 
 def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes, address: str = "") -> wire.Welcome:

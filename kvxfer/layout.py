@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -175,6 +176,7 @@ class KVLayout:
         num_blocks: int,
         fingerprint: wire.Fingerprint,
         owners: tuple = (),
+        heads: tuple[int, int] | None = None,
     ):
         self.regions = list(regions)
         self.seg_region = _int64("segment regions", seg_region)
@@ -185,6 +187,7 @@ class KVLayout:
         self._block_bytes = sum(self.seg_bytes.tolist())  # Python ints: a peer's sizes must not wrap the sum
         self.fingerprint = fingerprint
         self._owners = owners
+        self.heads = None if heads is None else (int(heads[0]), int(heads[1]))
         self._check()
 
     @property
@@ -235,6 +238,14 @@ class KVLayout:
         fp = self.fingerprint
         if fp.block_bytes != self.block_bytes:
             raise LayoutError(f"fingerprint says {fp.block_bytes} bytes per block, segments hold {self.block_bytes}")
+        if self.heads is not None:
+            try:
+                held = [k for r, k in order_dims(fp) if r == "H"] or [1]  # a one-head cache has no H dim
+            except IncompatibleError as e:
+                raise LayoutError(f"a cache declaring its heads needs an order with one size per dim: {e}") from None
+            lo, hi = self.heads
+            if not (0 <= lo < hi and len(held) == 1 and hi - lo == held[0]):
+                raise LayoutError(f"heads [{lo}, {hi}) do not match the {held} kv heads of order {fp.order!r}")
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -246,8 +257,14 @@ class KVLayout:
         block_dim: int | None = None,
         block_size: int | None = None,
         num_layers: int | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> KVLayout:
         """Describe a KV cache.
+
+        ``heads``: the ``[start, stop)`` of the model's kv heads this cache holds, when it is one tensor-parallel
+        rank's shard (``kvxfer.shard.heads_of``). Declared on both sides, it lets shards holding different heads
+        pair over the heads they share (prefill TP into another decode TP); undeclared, a layout pairs only with
+        an equal one.
 
         ``caches`` is one cross-layer tensor, a sequence of per-layer tensors, or a mapping layer name ->
         tensor; a layer may also be a (K, V) pair of tensors. Layers keep the given order on both sides.
@@ -342,7 +359,7 @@ class KVLayout:
             block_bytes=total,
             order=_text(_repeat("L", entries)),
         )
-        return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views))
+        return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views), heads)
 
     def desc(self) -> wire.LayoutDesc:
         """What a peer needs to address this layout (sent in the handshake)."""
@@ -354,6 +371,7 @@ class KVLayout:
             seg_stride=self.seg_stride.tolist(),
             seg_bytes=self.seg_bytes.tolist(),
             fingerprint=self.fingerprint,
+            heads=None if self.heads is None else list(self.heads),
         )
 
     @classmethod
@@ -362,7 +380,9 @@ class KVLayout:
         if len(d.regions) > MAX_SEGMENTS:
             raise LayoutError("too many regions")
         regions = [Region(r.ptr, r.nbytes, r.device) for r in d.regions]
-        return cls(regions, d.seg_region, d.seg_offset, d.seg_stride, d.seg_bytes, d.num_blocks, d.fingerprint)
+        heads = None if d.heads is None else (d.heads[0], d.heads[1])
+        segs = (d.seg_region, d.seg_offset, d.seg_stride, d.seg_bytes)
+        return cls(regions, *segs, d.num_blocks, d.fingerprint, (), heads)
 
     def __repr__(self) -> str:
         fp = self.fingerprint
@@ -398,3 +418,15 @@ def check_compatible(local: wire.Fingerprint, remote: wire.Fingerprint) -> None:
     ]
     if diffs:
         raise IncompatibleError("incompatible KV layouts: " + "; ".join(diffs))
+
+
+def order_dims(fp: wire.Fingerprint) -> list[tuple[str, int]]:
+    """The fingerprint's ``order`` as (role, size) pairs, outermost first; an order whose parts differ (spelled
+    ``K[...]``) has no single size per role and raises ``IncompatibleError``."""
+    dims = []
+    for tok in fp.order.split():
+        m = re.fullmatch(r"([A-Z])(\d+)", tok)
+        if m is None:
+            raise IncompatibleError(f"order {fp.order!r}: {tok!r} cannot be sliced (its parts differ)")
+        dims.append((m.group(1), int(m.group(2))))
+    return dims

@@ -42,12 +42,14 @@ _TRANSITIONS: dict[State, frozenset[State]] = {
 
 @dataclass
 class Part:
-    """One sender's share of a multi-sender request: its own generation, session, layers and bytes."""
+    """One sender's share of a multi-sender request: its own generation, session, what it carries of every
+    block (``selection``: layers or heads; ``ranges``: those bytes of a block, sorted) and its total bytes."""
 
     index: int
     gen: int
     peer: int
-    layers: tuple[int, ...]
+    selection: Any
+    ranges: np.ndarray
     nbytes: int
     slot: Slot
     landed: int = 0
@@ -61,7 +63,7 @@ class Part:
 @dataclass
 class Slot:
     """Blocks granted to one request: from one producer session, or from ``senders`` sessions (``parts``)
-    that each fill a disjoint subset of layers of the same blocks."""
+    that each fill disjoint bytes (layers, heads) of the same blocks."""
 
     req: str
     gen: int
@@ -140,12 +142,10 @@ class Grants:
         tombstone_ttl: float = 30.0,
         quarantine: float = 0.0,
         retry_after: float = 0.05,
-        num_layers: int = 1,
         max_inflight_per_peer: int | None = None,
     ):
         self.allocator = allocator
         self.block_bytes = block_bytes
-        self.num_layers = num_layers
         self.max_inflight = max_inflight
         self.max_inflight_per_peer = max_inflight_per_peer or max_inflight  # one session cannot take every grant
         self.tombstone_ttl = tombstone_ttl
@@ -170,16 +170,19 @@ class Grants:
         *,
         senders: int = 1,
         part: int = 0,
-        layers=None,
+        selection=None,
+        ranges: np.ndarray | None = None,
         meta: dict | None = None,
         one_sided: bool = False,
         ids: np.ndarray | None = None,
     ) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
-        With ``senders > 1`` the request is split between that many producer sessions, part ``part`` carrying
-        ``layers``: the first part to arrive is admitted (blocks, deadline, in-flight bound); later parts
-        join the same grant and get their own generation, without a second allocation. ``meta`` merges
+        ``ranges``: the bytes of every block this admission fills (sorted; the caller derives them from what it
+        carries; default all). With ``senders > 1`` the request is split between that many producer sessions,
+        part ``part`` carrying ``selection`` (layers or heads; opaque here): the first part to arrive is admitted
+        (blocks, deadline, in-flight bound); later parts join the same grant and get their own generation, without
+        a second allocation, and none may overlap another's bytes. ``meta`` merges
         into the slot's (part 0's keys win). ``one_sided``: the writer's transport cannot be stopped from here,
         so a failed slot is quarantined (see ``fail``). ``ids``: blocks the caller chose (a fetch), used
         instead of the allocator's and never given to it (``take_freed`` reports them).
@@ -190,14 +193,13 @@ class Grants:
             raise CancelledError(f"request {req!r} was cancelled")
         if req in self.handed:
             raise StaleError(f"request {req!r} was already received and is held by the runtime")
-        if senders > 1:
-            layers = self._check_layers(senders, part, layers)
-        elif senders != 1 or part != 0 or (layers is not None and len(layers) != self.num_layers):
-            raise BlockError(f"request {req!r}: a single sender carries every layer as part 0")
+        r = self._check_ranges(req, senders, part, ranges)
+        if senders == 1 and (part != 0 or int((r[:, 1] - r[:, 0]).sum()) != self.block_bytes):
+            raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []
         old = self.active.get(req)
         if old is not None and senders > 1 and old.senders == senders and part not in old.parts:
-            self._join(old, peer, n, part, layers)
+            self._join(old, peer, n, part, selection, r)
             self._merge_meta(old, part, meta)
             old.one_sided = old.one_sided or one_sided
             return old, []
@@ -232,7 +234,7 @@ class Grants:
         )
         self.active[req] = slot
         if senders > 1:
-            slot.gen = self._join(slot, peer, n, part, layers).gen
+            slot.gen = self._join(slot, peer, n, part, selection, r).gen
         self._merge_meta(slot, part, meta)
         return slot, superseded
 
@@ -249,37 +251,44 @@ class Grants:
         digests: bytes = b"",
         one_sided: bool = False,
         ids: np.ndarray | None = None,
+        ranges: np.ndarray | None = None,
     ) -> Slot:
         """Admit an offer this consumer will read: blocks to read into (``ids`` for a fetch), named to the
-        producer by its lease."""
-        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided, ids=ids)
+        producer by its lease; ``ranges``: the bytes of every block the offer fills (it must fill them all)."""
+        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided, ids=ids, ranges=ranges)
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot
 
-    def _check_layers(self, senders: int, part: int, layers) -> tuple[int, ...]:
-        if not 0 <= part < senders:
-            raise BlockError(f"part {part} of {senders} senders")
-        ls = tuple(sorted(int(x) for x in (layers or ())))
-        if not ls or len(set(ls)) != len(ls) or ls[0] < 0 or ls[-1] >= self.num_layers:
-            raise BlockError(
-                f"part {part}: layers {list(layers or ())} are not distinct layers of [0, {self.num_layers})"
-            )
-        return ls
+    def _check_ranges(self, req: str, senders: int, part: int, ranges) -> np.ndarray:
+        if senders < 1 or not 0 <= part < senders:
+            raise BlockError(f"request {req!r}: part {part} of {senders} senders")
+        if ranges is None:
+            return np.array([[0, self.block_bytes]], dtype=np.int64)
+        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if (
+            not len(r)
+            or (r[:, 0] >= r[:, 1]).any()
+            or r.min() < 0
+            or r.max() > self.block_bytes
+            or (r[1:, 0] < r[:-1, 1]).any()
+        ):
+            raise BlockError(f"request {req!r} part {part}: byte ranges {r.tolist()} not sorted, disjoint, in a block")
+        return r
 
-    def _join(self, slot: Slot, peer: int, n: int, part: int, layers: tuple[int, ...]) -> Part:
+    def _join(self, slot: Slot, peer: int, n: int, part: int, selection, ranges: np.ndarray) -> Part:
         if n != len(slot.ids):
             raise BlockError(f"request {slot.req!r} part {part}: {n} blocks, the request holds {len(slot.ids)}")
-        taken = {x for p in slot.parts.values() for x in p.layers}
-        if taken & set(layers):
+        both = np.concatenate([*(p.ranges for p in slot.parts.values()), ranges])
+        both = both[np.argsort(both[:, 0], kind="stable")]
+        if (both[1:, 0] < both[:-1, 1]).any():
+            raise BlockError(f"request {slot.req!r} part {part}: {selection} overlaps bytes of another part")
+        covered = int((both[:, 1] - both[:, 0]).sum())
+        if len(slot.parts) == slot.senders - 1 and covered != self.block_bytes:
             raise BlockError(
-                f"request {slot.req!r} part {part}: layers {sorted(taken & set(layers))} already belong to another part"
+                f"request {slot.req!r}: its {slot.senders} parts cover {covered} of {self.block_bytes} bytes per block"
             )
-        if len(slot.parts) == slot.senders - 1 and len(taken) + len(layers) != self.num_layers:
-            raise BlockError(
-                f"request {slot.req!r}: its {slot.senders} parts cover "
-                f"{len(taken) + len(layers)} of {self.num_layers} layers"
-            )
-        p = Part(part, next(_generations), peer, layers, n * self.block_bytes * len(layers) // self.num_layers, slot)
+        mine = int((ranges[:, 1] - ranges[:, 0]).sum())
+        p = Part(part, next(_generations), peer, selection, ranges, n * mine, slot)
         slot.parts[part] = p
         slot.live_peers.add(peer)
         return p

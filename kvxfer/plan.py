@@ -9,14 +9,13 @@ loop: a million blocks plan in a few milliseconds.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _kvx
 from .errors import BlockError, IncompatibleError
-from .layout import KVLayout
+from .layout import KVLayout, order_dims
 from .wire import Fingerprint
 
 
@@ -120,18 +119,6 @@ def pair(a: KVLayout, b: KVLayout, ranges=None, ranges_b=None) -> Pairing:
         i = np.searchsorted(v, vb, side="right") - 1
         sides.append(_side(lay, r[i, 0] + vb - v[i]))
     return Pairing(sides[0], sides[1], sizes.astype(np.int64))
-
-
-def order_dims(fp: Fingerprint) -> list[tuple[str, int]]:
-    """The fingerprint's ``order`` as (role, size) pairs, outermost first; an order whose parts differ (spelled
-    ``K[...]``) has no single size per role and raises ``IncompatibleError``."""
-    dims = []
-    for tok in fp.order.split():
-        m = re.fullmatch(r"([A-Z])(\d+)", tok)
-        if m is None:
-            raise IncompatibleError(f"order {fp.order!r}: {tok!r} cannot be sliced (its parts differ)")
-        dims.append((m.group(1), int(m.group(2))))
-    return dims
 
 
 def dim_ranges(fp: Fingerprint, role: str, start: int, stop: int) -> np.ndarray:

@@ -37,6 +37,7 @@ from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, ms
 from .plan import check_ids
+from .shard import Selection, held
 from .sockets import close as close_socket
 from .transfer import Status, Transfer, _attempts
 from .transports.base import Peer, Transport
@@ -289,6 +290,7 @@ class Producer(HandleBase):
         digests: bool = False,
         dst_block_ids=None,
         layers=None,
+        heads=None,
         senders: int = 1,
         part: int = 0,
         retry_busy: bool = False,
@@ -299,23 +301,36 @@ class Producer(HandleBase):
         protocol's fencing) overrides the granted destination, which the consumer must refuse unless equal.
         ``digests`` sends a CRC per block for the consumer to check (host memory; for tests and debugging).
 
-        Multi-sender (tensor-parallel prefill ranks): ``senders`` producers each push ``part`` of one request,
-        carrying only ``layers`` (disjoint, together every layer) into the same granted blocks; the consumer
-        hands the request off once every part is done.
+        Multi-sender (prefill ranks): ``senders`` producers each push ``part`` of one request into the same
+        granted blocks, carrying only ``layers`` (pipeline stages: disjoint, together every layer) or only
+        ``heads`` (``[start, stop)`` of the model's kv heads: tensor-parallel ranks, whose layouts declare the
+        heads they hold; ``kvxfer.shard.sources`` says which rank ships which heads to a consumer rank); the
+        consumer hands the request off once the parts together filled every byte of the blocks. Between shards
+        a single sender is enough when it holds every head the consumer holds.
 
         ``retry_busy``: a ``Busy`` consumer is asked again after the ``retry_after`` it named, until the
         deadline (then ``DeadlineError``); without it the transfer ends with ``BusyError`` at once.
         """
         t = self._start("push", address, req, block_ids, deadline)
         t.meta = dict(meta or {})
+        if layers is not None and heads is not None:
+            raise BlockError("a part carries layers or heads, not both")
         if senders == 1 and layers is not None and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
             raise BlockError("a subset of layers is one part of a multi-sender push: give senders and part")
-        if senders > 1:
-            if digests:
-                raise BlockError("per-block digests cover whole blocks: not for a multi-sender push")
+        if digests and (senders > 1 or heads is not None):
+            raise BlockError("per-block digests cover whole blocks: not for a part of a request")
+        if heads is not None:  # alone, it must be every head the consumer holds: the consumer checks
+            lo, hi = (int(x) for x in heads)
+            mine = held(self.layout)
+            if not mine[0] <= lo < hi <= mine[1]:
+                raise BlockError(f"heads [{lo}, {hi}) are not among the heads {list(mine)} this producer holds")
+            t.part_of = Selection(heads=(lo, hi))
+            t.nbytes = len(t.src_ids) * self.layout.block_bytes * (hi - lo) // (mine[1] - mine[0])
+        elif senders > 1:
             n = self.layout.fingerprint.num_layers
-            t.layers = sorted(int(x) for x in (range(n) if layers is None else layers))  # checked by the consumer
-            t.nbytes = len(t.src_ids) * self.layout.fingerprint.layer_bytes * len(t.layers)
+            ls = tuple(sorted(int(x) for x in (range(n) if layers is None else layers)))  # checked by the consumer
+            t.part_of = Selection(layers=ls)
+            t.nbytes = len(t.src_ids) * self.layout.fingerprint.layer_bytes * len(ls)
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         t.retry_busy = retry_busy
@@ -332,7 +347,8 @@ class Producer(HandleBase):
                 meta=t.meta,
                 senders=t.senders,
                 part=t.part,
-                layers=t.layers if t.senders > 1 else None,
+                layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
+                heads=None if t.part_of is None or t.part_of.heads is None else list(t.part_of.heads),
             )
         )
 
@@ -563,11 +579,11 @@ class Producer(HandleBase):
             if s.transport.one_sided and not np.array_equal(dst, granted):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
-            if t.layers is None:
+            if t.part_of is None:
                 t._descriptors = lambda: s.link.descriptors(t.src_ids, dst)
                 moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
             else:
-                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, layers=t.layers)
+                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, part=t.part_of)
         except KVXferError as e:
             if isinstance(e, PeerError) and s.alive:
                 # a consumer that cancels or fails a request cuts its data connection and says why on the control

@@ -11,11 +11,13 @@ replicated head is shipped once, by the lowest producer rank holding it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .errors import BlockError, IncompatibleError
-from .layout import KVLayout
-from .plan import Extents, Pairing, Plan, dim_ranges, make_plan, order_dims, pair
+from .layout import KVLayout, check_compatible, order_dims
+from .plan import Extents, Pairing, Plan, dim_ranges, layer_ranges, make_plan, pair
 from .wire import Fingerprint
 
 Heads = tuple[int, int]  # [start, stop) of the model's kv heads
@@ -95,6 +97,63 @@ def shard_pairing(a: KVLayout, a_heads: Heads, b: KVLayout, b_heads: Heads, head
     if not (a_heads[0] <= lo < hi <= a_heads[1] and b_heads[0] <= lo < hi <= b_heads[1]):
         raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {list(a_heads)} and {list(b_heads)}")
     return pair(a, b, _head_bytes(a, a_heads, lo, hi), _head_bytes(b, b_heads, lo, hi))
+
+
+def held(layout: KVLayout) -> Heads:
+    """The kv heads ``layout`` holds: as it declared them, else all of its own (``[0, its H size)``)."""
+    if layout.heads is not None:
+        return layout.heads
+    try:
+        n = [k for r, k in order_dims(layout.fingerprint) if r == "H"] or [1]
+    except IncompatibleError:
+        n = [1]
+    return 0, n[0]
+
+
+def sharded(a: KVLayout, b: KVLayout) -> bool:
+    """Whether ``a`` and ``b`` are shards of one cache holding different heads (both declared theirs)."""
+    return a.heads is not None and b.heads is not None and a.heads != b.heads
+
+
+def link_pairing(a: KVLayout, b: KVLayout) -> Pairing:
+    """The pairing of a producer's layout ``a`` with a consumer's ``b`` (the handshake's): equal layouts pair
+    whole; shards of one cache pair over the heads they share, and sharing none is ``IncompatibleError``."""
+    if not sharded(a, b):
+        check_compatible(a.fingerprint, b.fingerprint)
+        return pair(a, b)
+    return shard_pairing(a, held(a), b, held(b))
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one part of a multi-sender request carries of every block: some layers (a pipeline stage, or a
+    layer split), or some kv heads (a tensor-parallel rank's, ``[start, stop)`` of the model's heads)."""
+
+    layers: tuple[int, ...] | None = None
+    heads: Heads | None = None
+
+    def pairing(self, a: KVLayout, b: KVLayout) -> Pairing:
+        """The pairing moving this selection from producer layout ``a`` into consumer layout ``b``."""
+        if self.heads is not None:
+            return shard_pairing(a, held(a), b, held(b), self.heads)
+        if sharded(a, b):
+            raise IncompatibleError("a layer part needs both sides to hold the same heads")
+        return pair(a, b, layer_ranges(a, self.layers or ()))
+
+    def ranges(self, a: KVLayout, b: KVLayout) -> np.ndarray:
+        """The bytes of every block of consumer layout ``b`` this selection fills (sorted ``[start, stop)``)."""
+        if self.heads is not None:
+            return np.asarray(_head_bytes(b, held(b), *self.heads), dtype=np.int64)
+        return layer_ranges(b, self.layers or ())
+
+
+def coverage(a: KVLayout, b: KVLayout) -> np.ndarray:
+    """The bytes of every block of consumer layout ``b`` that a whole push from ``a`` fills: all of them, or for
+    a shard the heads both hold."""
+    if not sharded(a, b):
+        return np.array([[0, b.block_bytes]], dtype=np.int64)
+    (a0, a1), (b0, b1) = held(a), held(b)
+    return np.asarray(_head_bytes(b, (b0, b1), max(a0, b0), min(a1, b1)), dtype=np.int64)
 
 
 def check_tokens(a: Fingerprint, b: Fingerprint) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CancelledError, DeadlineError, KVXferError
+from .shard import Selection
 
 log = logging.getLogger("kvxfer")
 
@@ -51,7 +52,7 @@ class Transfer:
         self.attempt = next(_attempts)
         self.meta: dict[str, Any] = {}
         self.override: np.ndarray | None = None
-        self.layers: list[int] | None = None  # one part of a multi-sender push: only these layers
+        self.part_of: Selection | None = None  # one part of a multi-sender push: only these layers or heads
         self.senders, self.part = 1, 0  # multi-sender: this push is part ``part`` of ``senders``
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}

@@ -113,6 +113,8 @@ class LayoutDesc(_StrictFrozen, frozen=True):
     seg_stride: _Segs
     seg_bytes: _Segs
     fingerprint: Fingerprint
+    heads: Annotated[list[U32], msgspec.Meta(min_length=2, max_length=2)] | None = None  # [start, stop) of the
+    # model's kv heads this cache holds (a tensor-parallel rank's shard); None: it does not say (all it holds)
 
 
 class _Msg(_Strict, tag_field="t", kw_only=True):
@@ -161,9 +163,10 @@ class Welcome(_Msg, tag="welcome"):
 class Admit(_Msg, tag="admit"):
     """Push: ask the consumer to grant ``num_blocks`` destination blocks for ``req``.
 
-    Multi-sender (tensor-parallel prefill): ``senders`` producer sessions each send ``part`` of one request,
-    carrying only ``layers`` of every block; all parts are granted the same blocks, each its own generation,
-    and the request is ready when every part is done. The defaults are the single-sender push.
+    Multi-sender (tensor-parallel or pipeline-parallel prefill): ``senders`` producer sessions each send ``part``
+    of one request, carrying only ``layers`` or only ``heads`` of every block; all parts are granted the same
+    blocks, each its own generation, and the request is ready when every part is done and together they covered
+    every byte of the blocks. The defaults are the single-sender push.
     """
 
     req: str
@@ -173,6 +176,8 @@ class Admit(_Msg, tag="admit"):
     senders: U32 = 1
     part: U32 = 0
     layers: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)] | None = None
+    heads: Annotated[list[U32], msgspec.Meta(min_length=2, max_length=2)] | None = None  # [start, stop): a part
+    # carrying these kv heads of every block (of the model's heads; both sides declared theirs in the handshake)
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
 
 

@@ -119,14 +119,19 @@ def test_free_list():
     assert fl.num_free == 7
 
 
+def lay(*layers: int) -> dict:
+    """A part carrying ``layers`` of 4 layers of 10 bytes: what the consumer passes the ledger for it."""
+    return {"selection": layers, "ranges": np.array([[10 * x, 10 * x + 10] for x in layers])}
+
+
 def _multi(**kw):
-    return Grants(FreeList(16), block_bytes=40, num_layers=4, **kw)
+    return Grants(FreeList(16), block_bytes=40, **kw)
 
 
 def test_parts_share_one_grant_each_with_its_generation():
     g = _multi()
-    slot, _ = g.admit(1, "r", 3, deadline=10, now=0, senders=2, part=0, layers=[0, 1])
-    again, superseded = g.admit(2, "r", 3, deadline=99, now=0, senders=2, part=1, layers=[2, 3])
+    slot, _ = g.admit(1, "r", 3, deadline=10, now=0, senders=2, part=0, **lay(0, 1))
+    again, superseded = g.admit(2, "r", 3, deadline=99, now=0, senders=2, part=1, **lay(2, 3))
     assert again is slot and not superseded and g.allocator.num_free == 13 and slot.deadline == 10
     p0, p1 = slot.parts[0], slot.parts[1]
     assert p0.gen != p1.gen and p0.nbytes == p1.nbytes == 60 and slot.nbytes == 120
@@ -147,38 +152,38 @@ def test_parts_share_one_grant_each_with_its_generation():
 
 def test_parts_must_agree_and_cover_every_layer():
     g = _multi()
-    g.admit(1, "r", 3, 10, 0, senders=3, part=0, layers=[0])
+    g.admit(1, "r", 3, 10, 0, senders=3, part=0, **lay(0))
     with pytest.raises(BlockError):
-        g.admit(2, "r", 4, 10, 0, senders=3, part=1, layers=[1])  # another block count
+        g.admit(2, "r", 4, 10, 0, senders=3, part=1, **lay(1))  # another block count
     with pytest.raises(BlockError):
-        g.admit(2, "r", 3, 10, 0, senders=3, part=1, layers=[0])  # overlapping layers
-    g.admit(2, "r", 3, 10, 0, senders=3, part=1, layers=[1])
+        g.admit(2, "r", 3, 10, 0, senders=3, part=1, **lay(0))  # overlapping layers
+    g.admit(2, "r", 3, 10, 0, senders=3, part=1, **lay(1))
     with pytest.raises(BlockError):
-        g.admit(3, "r", 3, 10, 0, senders=3, part=2, layers=[2])  # layer 3 would be missing
+        g.admit(3, "r", 3, 10, 0, senders=3, part=2, **lay(2))  # layer 3 would be missing
     with pytest.raises(BlockError):
-        g.admit(3, "x", 3, 10, 0, senders=2, part=2, layers=[0])  # no such part
+        g.admit(3, "x", 3, 10, 0, senders=2, part=2, **lay(0))  # no such part
     with pytest.raises(BlockError):
-        g.admit(3, "y", 3, 10, 0, layers=[0])  # a single sender carries every layer
+        g.admit(3, "y", 3, 10, 0, **lay(0))  # a single sender carries every layer
 
 
 def test_missing_part_expires_and_a_lost_part_fails_the_request():
     g = _multi(quarantine=5)
-    slot, _ = g.admit(1, "r", 2, deadline=5, now=0, senders=2, part=0, layers=[0, 1])
+    slot, _ = g.admit(1, "r", 2, deadline=5, now=0, senders=2, part=0, **lay(0, 1))
     assert g.expired(now=5) == [slot]
     g.fail("r", DeadlineError("1 of 2 senders never came"), now=5, one_sided=True)
     assert g.allocator.num_free == 14  # quarantined: part 0 may still be writing
     g.peer_lost(1, DeadlineError("gone"), now=6)
     assert g.allocator.num_free == 16
-    s2, _ = g.admit(1, "q", 2, 10, 0, senders=2, part=0, layers=[0, 1])
-    g.admit(2, "q", 2, 10, 0, senders=2, part=1, layers=[2, 3])
+    s2, _ = g.admit(1, "q", 2, 10, 0, senders=2, part=0, **lay(0, 1))
+    g.admit(2, "q", 2, 10, 0, senders=2, part=1, **lay(2, 3))
     assert [s.req for s in g.peer_lost(2, DeadlineError("rank 1 died"), now=1)] == ["q"]
     assert g.allocator.num_free == 16 and s2.error is not None
 
 
 def test_part_re_admission_supersedes_the_request():
     g = _multi()
-    old, _ = g.admit(1, "r", 2, 10, 0, senders=2, part=0, layers=[0, 1])
-    new, superseded = g.admit(3, "r", 2, 10, 0, senders=2, part=0, layers=[0, 1])
+    old, _ = g.admit(1, "r", 2, 10, 0, senders=2, part=0, **lay(0, 1))
+    new, superseded = g.admit(3, "r", 2, 10, 0, senders=2, part=0, **lay(0, 1))
     assert superseded == [old] and new is not old and isinstance(old.error, StaleError)
 
 
@@ -243,8 +248,8 @@ def test_revoke_takes_back_a_handed_slot_and_frees_it():
 
 def test_meta_of_parts_merges_with_part_zero_winning_in_either_order():
     g = _multi()
-    g.admit(2, "r", 1, 10, 0, senders=2, part=1, layers=[2, 3], meta={"first_token": 9, "rank": 1})
-    slot, _ = g.admit(1, "r", 1, 10, 0, senders=2, part=0, layers=[0, 1], meta={"first_token": 3})
+    g.admit(2, "r", 1, 10, 0, senders=2, part=1, **lay(2, 3), meta={"first_token": 9, "rank": 1})
+    slot, _ = g.admit(1, "r", 1, 10, 0, senders=2, part=0, **lay(0, 1), meta={"first_token": 3})
     assert slot.meta == {"first_token": 3, "rank": 1}
 
 

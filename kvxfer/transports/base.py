@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import numpy as np
 
 from ..layout import KVLayout
-from ..plan import Pairing, layer_ranges, pair
+from ..plan import Pairing
+from ..shard import Selection
 
 
 @dataclass
@@ -37,7 +38,7 @@ class WriteHost(Protocol):
     """The consumer's side of a transport: it checks every write against its ledger before a byte lands."""
 
     def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
-        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error`` and ``.layers``) or raises
+        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error`` and ``.selection``) or raises
         a kvxfer error. The blocks stay allocated until ``end_write`` of that ticket."""
 
     def end_write(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
@@ -76,10 +77,10 @@ class Link(ABC, Generic[T]):
         dst_ids: np.ndarray,
         deadline: float,
         cancel: threading.Event,
-        layers=None,
+        part: Selection | None = None,
     ) -> int:
         """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved.
-        ``layers`` restricts the write to those layers of every block (one part of a multi-sender push)."""
+        ``part`` restricts the write to those layers or heads of every block (one part of a multi-sender push)."""
 
     @abstractmethod
     def read(
@@ -87,17 +88,16 @@ class Link(ABC, Generic[T]):
     ) -> int:
         """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
 
-    def pairing(self, layers=None) -> Pairing:
-        """The peer's pairing, restricted to ``layers`` (cached per selection)."""
-        if layers is None:
+    def pairing(self, part: Selection | None = None) -> Pairing:
+        """The peer's pairing, restricted to what ``part`` carries (cached per selection)."""
+        if part is None:
             return self.peer.pairing
-        key = tuple(layers)
         cache = self.__dict__.setdefault("_selected", {})
-        p = cache.get(key)
+        p = cache.get(part)
         if p is None:
             local = self.t.layout
             a, b = (local, self.peer.layout) if self.peer.is_producer else (self.peer.layout, local)
-            p = cache[key] = pair(a, b, layer_ranges(local, key))
+            p = cache[part] = part.pairing(a, b)
         return p
 
     def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:

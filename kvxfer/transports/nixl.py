@@ -281,9 +281,9 @@ class NixlLink(Link[NixlTransport]):
         out[:, 2] = devs[region]
         return out
 
-    def _plan(self, src_ids, dst_ids, layers=None):
+    def _plan(self, src_ids, dst_ids, part=None):
         a, b = (self.t.layout, self.peer.layout) if self.peer.is_producer else (self.peer.layout, self.t.layout)
-        return make_plan(self.pairing(layers), src_ids, dst_ids, a.num_blocks, b.num_blocks)
+        return make_plan(self.pairing(part), src_ids, dst_ids, a.num_blocks, b.num_blocks)
 
     def descriptors(self, src_ids, dst_ids) -> int:
         return len(self._plan(src_ids, dst_ids))
@@ -340,8 +340,8 @@ class NixlLink(Link[NixlTransport]):
                 with lock, contextlib.suppress(Exception):
                     agent.release_xfer_handle(handle)
 
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
-        plan = self._plan(src_ids, dst_ids, layers)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None) -> int:
+        plan = self._plan(src_ids, dst_ids, part)
         local = self._descs(plan.src, self.t.ptrs, self.t.devs)
         remote = self._descs(plan.dst, self.rptrs, self.rdevs)
         self._run("WRITE", local, remote, _NOTIF.encode((req, gen, plan.total)), deadline, cancel)

@@ -21,6 +21,7 @@ from ...channel import Channel, remaining
 from ...errors import CancelledError, KVXferError, PeerError, ProtocolError, from_code
 from ...handshake import data_hello
 from ...plan import Extents, extents
+from ...shard import Selection
 from ...sockets import connect, mapped
 from ..base import Link, Peer, ReadHost, WriteHost
 from . import windows
@@ -84,9 +85,9 @@ class TcpLink(Link["TcpTransport"]):
             return
         self.spawn(self.serve_reads, ch)
 
-    def _extents(self, ids: np.ndarray, layers=None) -> Extents:
-        if layers is not None:
-            p = self.pairing(layers)
+    def _extents(self, ids: np.ndarray, part: Selection | None = None) -> Extents:
+        if part is not None:
+            p = self.pairing(part)
             return extents(p.a if self.peer.is_producer else p.b, p.nbytes, ids, self.t.layout.num_blocks)
         return extents(self._side, self._nbytes, ids, self.t.layout.num_blocks)
 
@@ -117,8 +118,8 @@ class TcpLink(Link["TcpTransport"]):
         return len(self._extents(src_ids if self.peer.is_producer else dst_ids))
 
     # ---- push: producer side -------------------------------------------------------------------------------
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, layers=None) -> int:
-        ext = self._extents(src_ids, layers)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None) -> int:
+        ext = self._extents(src_ids, part)
         ids = wire.ids_to_bytes(dst_ids)
         check = self._checker(deadline, cancel)
 
@@ -164,7 +165,7 @@ class TcpLink(Link["TcpTransport"]):
                 try:
                     # the grant decides the bytes
                     window = windows.checked(
-                        self._extents(ids, getattr(ticket, "layers", None)), msg.offset, msg.length
+                        self._extents(ids, getattr(ticket, "selection", None)), msg.offset, msg.length
                     )
                     check = functools.partial(self._ticket_live, ticket)
                     self.t.watchdog.guarded(sock, check, functools.partial(self.t.mover.recv, sock, window))
