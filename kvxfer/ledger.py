@@ -19,6 +19,7 @@ import numpy as np
 
 from .allocator import Allocator
 from .errors import BlockError, BusyError, CancelledError, KVXferError, ProtocolError, StaleError
+from .plan import byte_ranges
 
 _generations = itertools.count(1)
 
@@ -262,18 +263,10 @@ class Grants:
     def _check_ranges(self, req: str, senders: int, part: int, ranges) -> np.ndarray:
         if senders < 1 or not 0 <= part < senders:
             raise BlockError(f"request {req!r}: part {part} of {senders} senders")
-        if ranges is None:
-            return np.array([[0, self.block_bytes]], dtype=np.int64)
-        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if (
-            not len(r)
-            or (r[:, 0] >= r[:, 1]).any()
-            or r.min() < 0
-            or r.max() > self.block_bytes
-            or (r[1:, 0] < r[:-1, 1]).any()
-        ):
-            raise BlockError(f"request {req!r} part {part}: byte ranges {r.tolist()} not sorted, disjoint, in a block")
-        return r
+        try:
+            return byte_ranges(ranges, self.block_bytes)
+        except BlockError as e:
+            raise BlockError(f"request {req!r} part {part}: {e}") from None
 
     def _join(self, slot: Slot, peer: int, n: int, part: int, selection, ranges: np.ndarray) -> Part:
         if n != len(slot.ids):

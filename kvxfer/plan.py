@@ -68,15 +68,17 @@ def _side(layout: KVLayout, bounds: np.ndarray) -> Side:
     return Side(layout.seg_region[seg], layout.seg_offset[seg] + within, layout.seg_stride[seg])
 
 
-def _ranges(layout: KVLayout, ranges) -> np.ndarray:
+def byte_ranges(ranges, block_bytes: int) -> np.ndarray:
+    """``ranges`` as an Nx2 int64 array of ``[start, end)`` bytes of a block (``None``: the whole block), else
+    ``BlockError`` unless they are sorted, disjoint, non-empty and within ``block_bytes``."""
     if ranges is None:
-        return np.array([[0, layout.block_bytes]], dtype=np.int64)
+        return np.array([[0, block_bytes]], dtype=np.int64)
     r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
     if (
         not len(r)
         or (r[:, 0] >= r[:, 1]).any()
         or r.min() < 0
-        or r.max() > layout.block_bytes
+        or r.max() > block_bytes
         or (r[1:, 0] < r[:-1, 1]).any()
     ):
         raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
@@ -97,8 +99,8 @@ def pair(a: KVLayout, b: KVLayout, ranges=None, ranges_b=None) -> Pairing:
     given, selects other bytes on side ``b`` (the selections must be equally long): a shard's whole block into
     its slice of a larger block (``dim_ranges``), or one slice into another.
     """
-    ra = _ranges(a, ranges)
-    rb = ra if ranges_b is None else _ranges(b, ranges_b)
+    ra = byte_ranges(ranges, a.block_bytes)
+    rb = ra if ranges_b is None else byte_ranges(ranges_b, b.block_bytes)
     if ranges is None and ranges_b is None and a.block_bytes != b.block_bytes:
         raise IncompatibleError(f"block sizes differ: {a.block_bytes} vs {b.block_bytes} bytes")
     total, total_b = int((ra[:, 1] - ra[:, 0]).sum()), int((rb[:, 1] - rb[:, 0]).sum())
