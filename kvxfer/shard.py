@@ -111,8 +111,9 @@ def held(layout: KVLayout) -> Heads:
 
 
 def sharded(a: KVLayout, b: KVLayout) -> bool:
-    """Whether ``a`` and ``b`` are shards of one cache holding different heads (both declared theirs)."""
-    return a.heads is not None and b.heads is not None and a.heads != b.heads
+    """Whether ``a`` and ``b`` hold different heads of one cache: at least one declared its heads (a layout that
+    does not say holds every head of the model, ``[0, its H size)``), and they differ."""
+    return (a.heads is not None or b.heads is not None) and held(a) != held(b)
 
 
 def link_pairing(a: KVLayout, b: KVLayout) -> Pairing:

@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _tp_rank(pc) -> int:
+    """This worker's tensor-parallel rank: vLLM's group where it is initialised, else from the global rank."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, ImportError, AttributeError):
+        return int(pc.rank) % int(pc.tensor_parallel_size)
+
+
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     """kvxfer connector for vLLM V1: ``kv_role`` ``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"``."""
 
@@ -46,12 +56,18 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         produce, fetch = ktc.kv_role != "kv_consumer", ktc.kv_role != "kv_producer"
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
-        ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
-        if ranks != 1:
+        if pc.pipeline_parallel_size != 1:
             raise ValueError(
-                "KVXferConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                f"(got {pc.tensor_parallel_size} x {pc.pipeline_parallel_size})"
+                f"KVXferConnector: pipeline_parallel_size must be 1 (got {pc.pipeline_parallel_size}): each stage "
+                "holds some layers, and shipping them as parts is not wired yet"
             )
+        tp = pc.tensor_parallel_size
+        if tp > 1 and fetch:
+            raise ValueError(
+                f"KVXferConnector: under tensor_parallel_size={tp} only kv_role 'kv_producer' is supported (each "
+                f"rank pushes its kv heads to a consumer holding them all); got {ktc.kv_role!r}"
+            )
+        shard = (_tp_rank(pc), tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
             raise ValueError(
@@ -66,7 +82,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = KVXferScheduler(self.settings, self.block_size, produce=produce, fetch=fetch)
         else:
             self.connector_worker = KVXferWorker(
-                self.settings, kv_cache_config, produce=produce, fetch=fetch, block_size=self.block_size
+                self.settings, kv_cache_config, produce=produce, fetch=fetch, block_size=self.block_size, shard=shard
             )
 
     # ---- class-level hooks -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from ...consumer import Consumer
 from ...errors import CancelledError, ClosedError, DeadlineError, IncompatibleError, KVXferError, LeaseExpiredError
 from ...layout import KVLayout
 from ...producer import Producer
+from ...shard import heads_of, sources
 from ...transfer import Transfer
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
 from .settings import Settings, log
@@ -132,8 +133,10 @@ class KVXferWorker:
         produce: bool = True,
         fetch: bool = False,
         block_size: int = 0,
+        shard: tuple[int, int, int] | None = None,
     ):
         self.settings = settings
+        self.shard = shard  # (tensor-parallel rank, size, the model's kv heads): this rank ships its heads
         self.produce, self.fetch = produce, fetch
         self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
         self._kv_cache_config = kv_cache_config
@@ -169,7 +172,7 @@ class KVXferWorker:
             if key not in seen:
                 seen.add(key)
                 tensors[name] = t
-        layout = KVLayout.from_tensors(tensors)
+        layout = KVLayout.from_tensors(tensors, heads=None if self.shard is None else heads_of(*self.shard))
         sched_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         ratio = 1
         if sched_blocks and layout.num_blocks != sched_blocks:
@@ -436,6 +439,11 @@ class KVXferWorker:
             remaining = sh.end_by - time.monotonic()
             if remaining <= 0:
                 raise _unpushed(o)
+            part = self._part()
+            if o.kind == "hold" and self.shard is not None:
+                raise IncompatibleError("holding a prompt for a fetch under tensor parallelism is not supported yet")
+            if part is None:  # a replica another rank ships
+                return self._end(sh, "done", None)
             if o.kind == "hold":
                 t = producer.hold(
                     o.transfer_id, self._kernel_ids(o.block_ids), lease=remaining, meta=o.meta, digests=o.digests
@@ -449,6 +457,7 @@ class KVXferWorker:
                     deadline=remaining,
                     digests=o.digests,
                     retry_busy=self.settings.retry_busy,
+                    **part,
                 )
         except Exception as e:  # whatever happens, the request must be reported
             self._end_with(sh, e)
@@ -459,6 +468,17 @@ class KVXferWorker:
         if reason is not None:
             t.cancel(reason)
         t.add_done_callback(functools.partial(self._transfer_ended, sh))
+
+    def _part(self) -> dict | None:
+        """Push arguments of this rank's share of a request: ``{}`` unsharded; under tensor parallelism its heads
+        as one part of a multi-sender push to a consumer holding every head (``shard.sources``); None when every
+        head this rank holds is a replica another rank ships."""
+        if self.shard is None:
+            return {}
+        rank, tp, heads = self.shard
+        parts = sources(0, 1, tp, heads)
+        i = next((i for i, (r, _) in enumerate(parts) if r == rank), None)
+        return None if i is None else {"senders": len(parts), "part": i, "heads": parts[i][1]}
 
     def _kernel_ids(self, block_ids: list[int]) -> np.ndarray:
         ids = np.asarray(block_ids, dtype=np.int64)

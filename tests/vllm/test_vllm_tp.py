@@ -1,0 +1,123 @@
+"""The connector under tensor parallelism, in vLLM 0.33's real worker classes: one worker-role KVXferConnector per
+TP rank (made by vLLM's connector factory from a config with ``tensor_parallel_size=2`` and the rank's own
+``parallel_config.rank``), each registering vLLM-allocated KV tensors that hold its half of the kv heads, each
+pushing its heads as one part of a multi-sender request to a real Consumer that holds every head. The consumer's
+blocks must equal the two ranks' heads side by side; what stays refused at start-up is refused with a message.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+
+def _rank_config(vh, tp_rank: int, **extra):
+    vc = vh.make_vllm_config(vh.kvxfer_ktc(role="kv_producer", transport="tcp", deadline=10, **extra))
+    vc.parallel_config.tensor_parallel_size = 2
+    vc.parallel_config.rank = tp_rank
+    return vc
+
+
+def _cache_config(vh, vc, heads: int, num_blocks: int):
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=vc.cache_config.block_size, num_kv_heads=heads, head_size=vh.HEAD, dtype=vh.DTYPE
+    )
+    groups = [KVCacheGroupSpec(list(vh.LAYERS), spec)]
+    return get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(vh.LAYERS) * num_blocks)
+
+
+def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvxfer import Consumer, KVLayout
+    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
+
+    blocks = 12
+    full_vc = vh.make_vllm_config(None)
+    full = allocate_kv_cache(_cache_config(vh, full_vc, vh.KV_HEADS, blocks), torch.device("cpu"), KVCacheLayout.LBHNC)
+    for t in full.values():
+        t.zero_()
+    consumer = Consumer(KVLayout.from_tensors(full), transport="tcp", deadline=10)
+    workers, caches = [], []
+    try:
+        for r in range(2):
+            vc = _rank_config(vh, r)
+            kvc = _cache_config(vh, vc, vh.KV_HEADS // 2, blocks)
+            kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC)
+            g = torch.Generator().manual_seed(r + 1)
+            for t in kv.values():
+                t.view(torch.int16).copy_(torch.randint(-3000, 3000, t.shape, generator=g, dtype=torch.int16))
+            w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+            w.register_kv_caches(kv)
+            workers.append(w)
+            caches.append(kv)
+        src = [3, 7, 1]
+        order = ShipOrder(
+            req_id="r1",
+            transfer_id="tp-req",
+            consumer=consumer.address,
+            block_ids=src,
+            num_tokens=3 * full_vc.cache_config.block_size,
+            attempt=1,
+            deadline=10.0,
+            digests=False,
+            meta={},
+        )
+        for w in workers:  # the scheduler is rank-agnostic: every rank gets the same order
+            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
+            w.wait_for_save()
+            w.clear_connector_metadata()
+        ended = [_wait_ended(w, "r1") for w in workers]
+        assert ended == [(1, "done", None)] * 2, ended
+        a = consumer.get(10)
+        assert a.req == "tp-req"
+        for name, t in full.items():  # vLLM's CPU view: [blocks, kv heads, block, K|V]
+            got = t[torch.as_tensor(a.block_ids)]
+            want = torch.cat([caches[r][name][src] for r in range(2)], dim=1)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+            others = [b for b in range(blocks) if b not in set(a.block_ids.tolist())]
+            assert not t[others].view(torch.int16).any(), "bytes landed outside the granted blocks"
+        assert consumer.release("tp-req")
+    finally:
+        for w in workers:
+            w.shutdown()
+        consumer.close()
+
+
+def _wait_ended(w, rid: str, timeout: float = 15.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        meta = w.build_connector_worker_meta()
+        if meta is not None and rid in meta.ended:
+            return meta.ended[rid]
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} never ended on the worker")
+
+
+@pytest.mark.parametrize(
+    "role,tp,pp,match",
+    [
+        ("kv_consumer", 2, 1, "only kv_role 'kv_producer'"),
+        ("kv_both", 2, 1, "only kv_role"),
+        ("kv_producer", 1, 2, "pipeline"),
+    ],
+)
+def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
+    from kvxfer.integrations.vllm import KVXferConnector
+
+    vc = vh.make_vllm_config(vh.kvxfer_ktc(role=role, transport="tcp"))
+    vc.parallel_config.tensor_parallel_size = tp
+    vc.parallel_config.pipeline_parallel_size = pp
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(ValueError, match=match):
+        KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
