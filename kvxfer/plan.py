@@ -74,13 +74,7 @@ def byte_ranges(ranges, block_bytes: int) -> np.ndarray:
     if ranges is None:
         return np.array([[0, block_bytes]], dtype=np.int64)
     r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-    if (
-        not len(r)
-        or (r[:, 0] >= r[:, 1]).any()
-        or r.min() < 0
-        or r.max() > block_bytes
-        or (r[1:, 0] < r[:-1, 1]).any()
-    ):
+    if not len(r) or (r[:, 0] >= r[:, 1]).any() or r.min() < 0 or r.max() > block_bytes or (r[1:, 0] < r[:-1, 1]).any():
         raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
     return r
 

@@ -121,3 +121,19 @@ def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
 
     with pytest.raises(ValueError, match=match):
         KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+
+
+def test_a_hold_claim_under_tensor_parallelism_is_answered_not_held_with_the_reason(vh):
+    """The scheduler side knows the TP size: a claim naming no consumer (a hold for a fetch) is refused with a
+    reason, and a push claim is taken."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer.integrations.vllm import KVXferConnector
+    from kvxfer.integrations.vllm.settings import HOLD, PUSH, parse_claim
+
+    vc = _rank_config(vh, 0, listen=f"127.0.0.1:{vh.free_port()}")
+    c = KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+    hold = parse_claim({"kvxfer": {}}, "r", c.settings)
+    assert hold is not None and hold.kind == HOLD and "tensor parallelism" in (hold.error or "")
+    push = parse_claim({"kvxfer": {"consumer": "127.0.0.1:9"}}, "r", c.settings)
+    assert push is not None and push.kind == PUSH and not push.error

@@ -4,6 +4,7 @@ model-runner process. ``kv_producer`` pushes and holds, ``kv_consumer`` fetches,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -68,6 +69,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 f"rank pushes its kv heads to a consumer holding them all); got {ktc.kv_role!r}"
             )
         shard = (_tp_rank(pc), tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
+        self.settings = dataclasses.replace(self.settings, tensor_parallel=tp)  # a hold claim: not_held under TP > 1
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
             raise ValueError(

@@ -440,8 +440,6 @@ class KVXferWorker:
             if remaining <= 0:
                 raise _unpushed(o)
             part = self._part()
-            if o.kind == "hold" and self.shard is not None:
-                raise IncompatibleError("holding a prompt for a fetch under tensor parallelism is not supported yet")
             if part is None:  # a replica another rank ships
                 return self._end(sh, "done", None)
             if o.kind == "hold":
