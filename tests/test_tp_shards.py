@@ -172,3 +172,62 @@ def test_a_layout_declaring_heads_it_does_not_hold_is_refused():
     assert layout(t, "hnd", (4, 8)).heads == (4, 8)
     with pytest.raises((BlockError, IncompatibleError)):
         sources(0, 3, 2, 8)
+
+
+class _Declared:
+    """A layout whose ``desc()`` claims other heads than it holds: what a hostile peer can put on the wire."""
+
+    def __init__(self, real: KVLayout, heads: list[int]):
+        self.real, self.heads = real, heads
+
+    def desc(self):
+        import msgspec
+
+        return msgspec.structs.replace(self.real.desc(), heads=self.heads)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("transport", ["tcp"])
+def test_hostile_admissions_between_shards_are_refused_and_leak_nothing(transport):
+    """A raw peer (the documented protocol by hand) holding heads 0-3 of 8 talks to a consumer holding all 8: heads it
+    does not hold, reversed or out-of-range heads, heads with layers, a partial single sender, an overlap; then a
+    handshake whose declared heads do not match its layout. Each is refused with the right code, nothing leaks."""
+    from conformance.rawpeer import RawPeer
+    from kvxfer import wire
+
+    full = shard(reference("hnd", 8), "hnd", (0, 8), zero=True)
+    consumer = Consumer(layout(full, "hnd", (0, 8)), transport=transport, deadline=10)
+    mine = layout(shard(reference("hnd", 8), "hnd", (0, 4)), "hnd", (0, 4))
+    raw = RawPeer(consumer.address)
+    try:
+        assert isinstance(raw.hello(mine, transport), wire.Welcome)
+        bad = [
+            {"heads": [4, 8], "senders": 2},  # not held by the sender
+            {"heads": [3, 2], "senders": 2},
+            {"heads": [0, 9], "senders": 2},
+            {"heads": [0, 1], "layers": [0], "senders": 2},
+            {"heads": [0, 4]},  # alone, half the consumer's heads
+            {},  # alone, a whole push of a sender holding half
+        ]
+        for i, fields in enumerate(bad):
+            raw.send(wire.Admit(req=f"bad-{i}", num_blocks=2, deadline_ms=10_000, **fields))
+            reply = raw.recv()
+            assert isinstance(reply, wire.Error) and reply.code == "blocks", (fields, reply)
+        raw.send(wire.Admit(req="ok", num_blocks=2, deadline_ms=10_000, heads=[0, 4], senders=2, part=0))
+        assert isinstance(raw.recv(), wire.Grant)
+        raw.send(wire.Admit(req="ok", num_blocks=2, deadline_ms=10_000, heads=[2, 4], senders=2, part=1))
+        reply = raw.recv()
+        assert isinstance(reply, wire.Error) and reply.code == "blocks", reply  # overlaps part 0
+        raw.send(wire.Cancel(req="ok", gen=0, reason="done testing"))
+        wait_for(lambda: consumer.stats()["inflight"] == 0 and consumer.stats()["free_blocks"] == NUM_BLOCKS, 10)
+    finally:
+        raw.close()
+    liar = RawPeer(consumer.address)
+    try:
+        reply = liar.hello(_Declared(mine, [0, 3]), transport)  # a 4-head cache claiming 3 heads
+        assert isinstance(reply, wire.Error) and reply.code == "protocol", reply
+    finally:
+        liar.close()
+        consumer.close()
