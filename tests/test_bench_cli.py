@@ -105,6 +105,9 @@ def test_cli_latency_mode(tmp_path):
     assert r["req_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
     assert r["latency_clock"] == "consumer arrival"  # both halves on this machine share the clock
     assert r["verified"] and r["baseline_p50_ms"] > 0
+    assert r["p50_rtt"] == pytest.approx(r["p50_ms"] / r["baseline_p50_ms"])  # latency in same-run round trips
+    assert r["p99_rtt"] >= r["p50_rtt"] > 0
+    assert "p50/rtt" in proc.stdout and "rtt = the baseline's median round trip" in proc.stdout
 
 
 def test_cli_tls_rows_beside_plain_tcp(tmp_path):

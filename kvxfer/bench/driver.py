@@ -454,6 +454,7 @@ class Driver:
                 baseline_p50_ms=_pct_ms(ref_lat, 50),
                 baseline_p99_ms=_pct_ms(ref_lat, 99),
             )
+            row.update(p50_rtt=row["p50_ms"] / row["baseline_p50_ms"], p99_rtt=row["p99_ms"] / row["baseline_p50_ms"])
 
     def _wave(self, producer: Producer, address: str, mode: str, wave: list) -> tuple[list, float]:
         """Submit ``wave`` with ``concurrency`` requests in flight; per request (submit, completion, transfer)."""

@@ -25,7 +25,7 @@ def table(rows: list[dict]) -> str:
     latency = any(r.get("kind") == "latency" for r in rows)
     head = ["transport", "mode", "pattern", "block", "total", "descs", "GB/s", "p50 ms", "p99 ms"]
     if latency:
-        head += ["req/s"]
+        head += ["req/s", "rtt ms", "p50/rtt", "p99/rtt"]
     head += ["baseline", "base GB/s", "ratio", "paired", "memcpy", "verified"]
     lines = []
     for r in rows:
@@ -41,7 +41,12 @@ def table(rows: list[dict]) -> str:
             _num(r.get("p99_ms"), ".1f"),
         ]
         if latency:
-            cells += [_num(r.get("req_s"), ".0f")]
+            cells += [
+                _num(r.get("req_s"), ".0f"),
+                _num(r.get("baseline_p50_ms"), ".2f"),
+                (_num(r.get("p50_rtt"), ".1f") + "x") if r.get("p50_rtt") else "-",
+                (_num(r.get("p99_rtt"), ".1f") + "x") if r.get("p99_rtt") else "-",
+            ]
         cells += [
             r.get("baseline") or "-",
             _num(r.get("baseline_gbps"), ".2f"),
@@ -77,7 +82,9 @@ def header(rows: list[dict], geometry_text: str) -> str:
     if r.get("kind") == "latency":
         what = (
             f"latency: {r['requests']} requests of {r['request_blocks']} blocks, {r['concurrency']} in flight; "
-            f"p50/p99 from producer submit to {r['latency_clock']}; baseline: the same requests one at a time"
+            f"p50/p99 from producer submit to {r['latency_clock']}; baseline: the same requests one at a time;\n"
+            f"rtt = the baseline's median round trip (one request of the same size sent and acknowledged: a plain "
+            f"socket for tcp, raw NIXL for nixl), same run; p50/rtt and p99/rtt: kvxfer's latency in round trips"
         )
     else:
         what = (
