@@ -123,6 +123,18 @@ def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
         KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
 
 
+def test_an_mla_model_under_tensor_parallelism_is_refused_with_the_reason(vh, monkeypatch):
+    from vllm.config import ModelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer.integrations.vllm import KVXferConnector
+
+    vc = _rank_config(vh, 0)
+    monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))  # the tiny model's config is Llama's
+    with pytest.raises(ValueError, match="MLA"):
+        KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+
+
 def test_a_hold_claim_under_tensor_parallelism_is_answered_not_held_with_the_reason(vh):
     """The scheduler side knows the TP size: a claim naming no consumer (a hold for a fetch) is refused with a
     reason, and a push claim is taken."""
