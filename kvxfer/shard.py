@@ -7,6 +7,10 @@ cache of its own (its fingerprint says ``H<its heads>``), and the bytes of head 
 every block of every rank that holds it, as ``dim_ranges`` reads from the fingerprint. Prefill TP ``p`` and decode
 TP ``d`` may differ: a consumer rank gathers its heads from every producer rank that holds some of them, and a
 replicated head is shipped once, by the lowest producer rank holding it.
+
+Layouts declare the heads they hold (``KVLayout.heads``); the handshake pairs two of them with ``link_pairing``,
+and a ``Selection`` names what one part of a multi-sender request carries (layers or heads): the pairing that moves
+it and the bytes of the consumer's blocks it fills. Different tokens per block map through ``token_plan``.
 """
 
 from __future__ import annotations
