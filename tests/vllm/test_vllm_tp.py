@@ -33,6 +33,7 @@ def _cache_config(vh, vc, heads: int, num_blocks: int):
 
 
 def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
+    vh.init_single_process_world(vh.make_vllm_config(None))  # as other tests leave it: a TP group of 1 here
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_layout import KVCacheLayout

@@ -35,13 +35,16 @@ if TYPE_CHECKING:
 
 
 def _tp_rank(pc) -> int:
-    """This worker's tensor-parallel rank: vLLM's group where it is initialised, else from the global rank."""
+    """This worker's tensor-parallel rank: from vLLM's TP group where one of this size is initialised (in a worker
+    process), else from the worker's global rank in the parallel config."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
-        return int(get_tensor_model_parallel_rank())
+        if get_tp_group().world_size == pc.tensor_parallel_size:
+            return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError, AttributeError):
-        return int(pc.rank) % int(pc.tensor_parallel_size)
+        pass
+    return int(pc.rank) % int(pc.tensor_parallel_size)
 
 
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
