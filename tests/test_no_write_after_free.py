@@ -21,9 +21,15 @@ N = 128  # 64 MiB
 LINGER = 0.2  # after every block is back: longer than any late writer (the TCP watchdog looks every 50 ms)
 
 
+def one_stream(transport: str) -> dict:
+    """TCP with one data connection, as these tests are paced: a second one doubles what lands in each running
+    slice of a slowed process, and a lease-ended pull once had 93% of its bytes when it ended."""
+    return {"transport_options": {"streams": 1}} if transport == "tcp" else {}
+
+
 @pytest.fixture
 def consumer(transport):
-    c = ConsumerChild(SPEC, transport, quarantine=0.2, deadline=20.0)
+    c = ConsumerChild(SPEC, transport, quarantine=0.2, deadline=20.0, **one_stream(transport))
     yield c
     c.close()
 
@@ -31,7 +37,7 @@ def consumer(transport):
 @pytest.fixture
 def producer(transport, consumer):
     """A producer already in session with the consumer (a slowed handshake would eat the lease)."""
-    p = ProducerChild(SPEC, transport, seed=3)
+    p = ProducerChild(SPEC, transport, seed=3, **one_stream(transport))
     p.start("offer", consumer.address, "warm-up", 1, fill=False, lease=20.0)
     assert consumer.release(consumer.get(20)["req"])
     assert p.wait_ended("warm-up", 10)["error"] is None
@@ -143,11 +149,11 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
 
     tensors, kw, _, _ = SPEC.build(fill=0)
     layout = SPEC.layout(tensors, kw)
-    p = ProducerChild(SPEC, "tcp", seed=3)
+    p = ProducerChild(SPEC, "tcp", seed=3, **one_stream("tcp"))
     try:
         for r in range(3):  # the reader may be between two waits that do look at the close: try a few times
             guard = GuardedAllocator(layout)
-            c = Consumer(layout, transport="tcp", allocator=guard, deadline=20.0)
+            c = Consumer(layout, transport="tcp", allocator=guard, deadline=20.0, **one_stream("tcp"))
             try:
                 slow = Throttle(p).__enter__()
                 p.start("offer", c.address, f"big-{r}", N, fill=False, lease=20.0)
