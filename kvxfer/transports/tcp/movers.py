@@ -19,12 +19,12 @@ class Direct:
     over the extent arrays; TLS, which has no scatter/gather, piece by piece through memoryviews."""
 
     def __init__(self, regions: list[Region]):
-        self.regions = regions
+        self.bufs = [host_buffer(r) for r in regions]  # TLS's per-piece views slice these
         self.bases = np.array([r.ptr for r in regions], dtype=np.uint64)
         self.sizes = np.array([r.nbytes for r in regions], dtype=np.int64)
 
     def _views(self, ext: Extents) -> list[memoryview]:
-        bufs = [host_buffer(r) for r in self.regions]
+        bufs = self.bufs
         return [
             bufs[r][o : o + n]
             for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True)
