@@ -179,12 +179,24 @@ class Consumer(HandleBase):
         self._tell_members(slot, lambda gen: wire.Cancel(req=req, gen=gen, reason=reason))
         return True
 
-    def fetch(self, address: str, req: str, block_ids, *, skip: int = 0, deadline: float | None = None) -> Fetch:
+    def fetch(
+        self,
+        address: str,
+        req: str,
+        block_ids,
+        *,
+        skip: int = 0,
+        deadline: float | None = None,
+        tokens: int | None = None,
+    ) -> Fetch:
         """Read blocks ``[skip, skip + len(block_ids))`` of what the producer at ``address`` holds as ``req``
         (``Producer.hold``) into this consumer's ``block_ids``, chosen by the caller (never taken from or given
         back to the allocator). Returns at once; the transfer ends with no error once every byte landed, else
-        with a typed error, and in both cases only when no byte can land in ``block_ids`` any more."""
-        return self.fetches.start(address, req, block_ids, skip, deadline)
+        with a typed error, and in both cases only when no byte can land in ``block_ids`` any more. A producer
+        paging with other tokens per block offers the blocks holding ``tokens`` tokens (default: all our blocks
+        full) from its block ``skip`` on, at most its hold's last token: ``block_ids`` must be the blocks of ours
+        that hold what it offers."""
+        return self.fetches.start(address, req, block_ids, skip, deadline, tokens)
 
     def decline(self, address: str, req: str, reason: str = "not needed") -> None:
         """Tell the producer at ``address`` that its hold ``req`` will not be fetched, so it frees the blocks
@@ -332,10 +344,10 @@ class Consumer(HandleBase):
         challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
         ch.send(challenge)
         proof = ch.recv(remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
-        remote, pairing, name, meta, key = handshake.check_proof(
+        remote, paging, name, meta, key = handshake.check_proof(
             proof, self.auth, hello.nonce, nonce, self.layout, list(self.transports)
         )
-        peer = Peer(next(self._sids), self.address, remote, pairing, meta, is_producer=False, key=key)
+        peer = Peer(next(self._sids), self.address, remote, paging, meta, is_producer=False, key=key)
         s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:
             self._sessions[s.sid] = s
@@ -410,10 +422,11 @@ class Consumer(HandleBase):
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
             part, ranges = self._part(s, msg)
+            n, chunks, per_block = self._paged(s, part, msg.req, msg.num_blocks, msg.tokens)
             slot, superseded = self.grants.admit(
                 s.sid,
                 msg.req,
-                msg.num_blocks,
+                n,
                 deadline,
                 now,
                 senders=msg.senders,
@@ -422,6 +435,8 @@ class Consumer(HandleBase):
                 ranges=ranges,
                 meta=msg.meta,
                 one_sided=s.transport.one_sided,
+                chunks=chunks,
+                per_block=per_block,
             )
         except KVXferError as e:
             return self._reject(s, msg.req, e, attempt=msg.attempt)
@@ -439,6 +454,24 @@ class Consumer(HandleBase):
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
+    @staticmethod
+    def _paged(
+        s: _ConsumerSession, part: Selection | None, req: str, n: int, tokens: int | None
+    ) -> tuple[int, int | None, int]:
+        """For ``n`` source blocks holding ``tokens``: how many of our blocks hold them, and when the producer
+        pages with other tokens per block, the chunk count and chunks per block of ours (else None, 1)."""
+        paging = s.link.paging(part)
+        if paging.k == 1:
+            if tokens is not None and paging.src_blocks(tokens) != n:
+                raise BlockError(f"request {req!r}: {tokens} tokens do not fill {n} blocks of {paging.src_block}")
+            return n, None, 1
+        tokens = paging.tokens(n) if tokens is None else tokens
+        try:
+            chunks = paging.check(tokens, src_blocks=n)
+        except BlockError as e:
+            raise BlockError(f"request {req!r}: {e}") from None
+        return paging.dst_blocks(tokens), chunks, paging.k if paging.dst_block > paging.src_block else 1
+
     def _part(self, s: _ConsumerSession, msg: wire.Admit) -> tuple[Selection | None, np.ndarray]:
         """What an admission carries of every block (its layers or heads) and the bytes of our blocks it fills."""
         if msg.layers is not None and msg.heads is not None:
@@ -450,7 +483,7 @@ class Consumer(HandleBase):
         else:
             return None, coverage(s.peer.layout, self.layout)
         try:
-            s.link.pairing(part)  # both sides hold what it names (a peer may claim heads it does not hold)
+            s.link.paging(part)  # both sides hold what it names (a peer may claim heads it does not hold)
             return part, part.ranges(s.peer.layout, self.layout)
         except IncompatibleError as e:
             raise BlockError(f"request {msg.req!r}: {e}") from None
@@ -539,6 +572,7 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
+            n, chunks, per_block = self._paged(s, None, msg.req, len(src), msg.tokens)
             if fetch is None:
                 if s.fetch_address:  # a session this consumer opened answers its fetches only: this one ended
                     raise StaleError(
@@ -548,7 +582,7 @@ class Consumer(HandleBase):
                 slot = self.grants.admit_pull(
                     s.sid,
                     msg.req,
-                    len(src),
+                    n,
                     deadline,
                     now,
                     msg.gen,
@@ -556,16 +590,20 @@ class Consumer(HandleBase):
                     msg.digests,
                     one_sided=s.transport.one_sided,
                     ranges=coverage(s.peer.layout, self.layout),
+                    chunks=chunks,
+                    per_block=per_block,
                 )
             else:
-                if len(src) != len(fetch.ids):
-                    raise BlockError(f"request {msg.req!r}: {len(src)} blocks offered, {len(fetch.ids)} fetched")
+                if n != len(fetch.ids):
+                    raise BlockError(
+                        f"request {msg.req!r}: the {len(src)} blocks offered fill {n} of ours, {len(fetch.ids)} fetched"
+                    )
                 slot = self.fetches.claim(
                     fetch,
                     lambda: self.grants.admit_pull(
                         s.sid,
                         msg.req,
-                        len(src),
+                        n,
                         min(fetch.deadline, lease_end),
                         now,
                         msg.gen,
@@ -574,6 +612,8 @@ class Consumer(HandleBase):
                         one_sided=s.transport.one_sided,
                         ranges=coverage(s.peer.layout, self.layout),
                         ids=fetch.ids,
+                        chunks=chunks,
+                        per_block=per_block,
                     ),
                 )
                 if slot is None:
@@ -597,7 +637,7 @@ class Consumer(HandleBase):
             return self._pull_failed(s, slot, e)
         moved, error = 0, None
         try:
-            moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel)
+            moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel, slot.chunks)
         except KVXferError as e:
             error = e
         except Exception as e:

@@ -70,7 +70,9 @@ class Fetches:
         self.sessions: dict[str, _ConsumerSession] = {}
         self._connecting: dict[str, threading.Lock] = {}
 
-    def start(self, address: str, req: str, block_ids, skip: int, deadline: float | None) -> Fetch:
+    def start(
+        self, address: str, req: str, block_ids, skip: int, deadline: float | None, tokens: int | None = None
+    ) -> Fetch:
         c = self.c
         c._check_open()
         if c.tls is not None:
@@ -79,8 +81,12 @@ class Fetches:
         ids = check_ids(block_ids, c.layout.num_blocks, "destination block ids")
         if skip < 0:
             raise BlockError(f"skip must be >= 0, got {skip}")
+        bs = c.layout.fingerprint.block_size
+        if tokens is not None and not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
+            raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
         seconds = c.deadline if deadline is None else deadline
         f = Fetch(str(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
+        f.tokens = len(ids) * bs if tokens is None else int(tokens)
         f._on_cancel = self._cancelled
         with self.lock:
             if f.req in self.by_req:
@@ -156,7 +162,13 @@ class Fetches:
                     raise PeerError(f"producer {f.address} closed the session")
                 f.session = s
                 s.fetches[f.req] = f
-            if not s.send(wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)):
+            paging = s.link.paging()
+            if paging.k == 1:
+                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)
+            else:  # blocks of other sizes: ask for our tokens (the producer offers at most what it holds)
+                n = paging.src_blocks(f.tokens)
+                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=n, attempt=f.attempt, tokens=f.tokens)
+            if not s.send(ask):
                 raise PeerError(f"producer {f.address} is gone")
             log.debug("kvxfer fetch %s: asked %s on session %d", f.req, f.address, s.sid)
         except KVXferError as e:

@@ -8,7 +8,8 @@ layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and
                         mac = HMAC(key, "welcome" | session | layout | transport | meta | address))
 
 with ``key = HMAC(token, "session" | nonce_p | nonce_c)``. Layouts pair when they mean the same bytes, or when
-both declare which kv heads they hold (tensor-parallel shards of one cache): then over the heads they share. The
+both declare which kv heads they hold (tensor-parallel shards of one cache): then over the heads they share; and
+blocks of different tokens per block (one a multiple of the other) map through token positions (``paging``). The
 token never crosses the wire; each side proves it over a nonce the other just chose, so a replayed message fails;
 no layout (whose regions name raw addresses) and no transport metadata (a NIXL agent's whole registered region) is
 revealed before both proofs held. Every data connection then proves the session key over a fresh nonce
@@ -29,8 +30,7 @@ import msgspec
 from . import wire
 from .errors import AuthError, IncompatibleError, LayoutError, ProtocolError, from_code
 from .layout import KVLayout
-from .plan import Pairing
-from .shard import link_pairing
+from .paging import Paging, paging
 
 NONCE_BYTES = 32
 _enc = msgspec.msgpack.Encoder()
@@ -102,9 +102,9 @@ def answer(
 
 def check_welcome(
     msg, address: str, key: bytes, layout: KVLayout, offered: list[str]
-) -> tuple[wire.Welcome, KVLayout, Pairing]:
+) -> tuple[wire.Welcome, KVLayout, Paging]:
     """Producer: the consumer's ``Welcome`` is authentic, names a transport we offered and a layout we pair with
-    (side ``a`` of the pairing is ours)."""
+    (side ``a`` of the paging is ours)."""
     if isinstance(msg, wire.Error):
         raise from_code(msg.code, f"consumer {address} refused the handshake: {msg.message}")
     if not isinstance(msg, wire.Welcome):
@@ -114,7 +114,7 @@ def check_welcome(
     if msg.transport not in offered:
         raise IncompatibleError(f"consumer chose transport {msg.transport!r}, we offered {offered}")
     remote = _remote_layout(msg.layout)
-    return msg, remote, link_pairing(layout, remote)
+    return msg, remote, paging(layout, remote)
 
 
 # ---- consumer side -----------------------------------------------------------------------------------------
@@ -136,8 +136,8 @@ def challenge(hello_: wire.Hello, peer_id: str, token: str) -> tuple[wire.Challe
 
 def check_proof(
     msg, token: str, nonce_p: bytes, nonce_c: bytes, layout: KVLayout, have: list[str]
-) -> tuple[KVLayout, Pairing, str, bytes, bytes]:
-    """Consumer: the producer proved the token; returns its layout, the pairing (side ``a`` the producer's), the
+) -> tuple[KVLayout, Paging, str, bytes, bytes]:
+    """Consumer: the producer proved the token; returns its layout, the paging (side ``a`` the producer's), the
     first offered transport we have, its metadata, and the session key."""
     if isinstance(msg, wire.Error):  # a producer a fetching consumer connected to refused it
         raise from_code(msg.code, f"producer refused the handshake: {msg.message}")
@@ -152,7 +152,7 @@ def check_proof(
     if chosen is None:
         raise IncompatibleError(f"producer offers transports {[n for n, _ in msg.transports]}, consumer has {have}")
     remote = _remote_layout(msg.layout)
-    return remote, link_pairing(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
+    return remote, paging(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
 
 
 def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes, address: str = "") -> wire.Welcome:

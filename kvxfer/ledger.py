@@ -60,6 +60,10 @@ class Part:
     def error(self) -> KVXferError | None:  # a write ticket: a failed request stops every part's receive
         return self.slot.error
 
+    @property
+    def chunks(self) -> int | None:
+        return self.slot.chunks
+
 
 @dataclass
 class Slot:
@@ -88,6 +92,8 @@ class Slot:
     admitted: float = 0.0
     one_sided: bool = False  # a writer's transport is one-sided: a failure quarantines the blocks
     external: bool = False  # the caller chose the blocks (a fetch): "freed" hands them back to it, not the allocator
+    chunks: int | None = None  # blocks of another size map through token positions: the request's chunk count
+    per_block: int = 1  # chunks per block of ours (a big block takes several of the producer's small ones)
 
     @property
     def ready(self) -> bool:
@@ -176,6 +182,8 @@ class Grants:
         meta: dict | None = None,
         one_sided: bool = False,
         ids: np.ndarray | None = None,
+        chunks: int | None = None,
+        per_block: int = 1,
     ) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
@@ -186,7 +194,9 @@ class Grants:
         a second allocation, and none may overlap another's bytes. ``meta`` merges
         into the slot's (part 0's keys win). ``one_sided``: the writer's transport cannot be stopped from here,
         so a failed slot is quarantined (see ``fail``). ``ids``: blocks the caller chose (a fetch), used
-        instead of the allocator's and never given to it (``take_freed`` reports them).
+        instead of the allocator's and never given to it (``take_freed`` reports them). ``chunks``: the producer
+        pages the request with other tokens per block (``paging``): it fills ``chunks`` chunks, ``per_block`` to
+        each of our blocks (the last one perhaps partly), so ``n`` blocks hold up to ``n * per_block`` chunks.
         """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
@@ -195,11 +205,15 @@ class Grants:
         if req in self.handed:
             raise StaleError(f"request {req!r} was already received and is held by the runtime")
         r = self._check_ranges(req, senders, part, ranges)
+        if chunks is not None and not (n - 1) * per_block < chunks <= n * per_block:
+            raise BlockError(f"request {req!r}: {chunks} chunks do not fill {n} blocks of {per_block} chunks")
         if senders == 1 and (part != 0 or int((r[:, 1] - r[:, 0]).sum()) != self.block_bytes):
             raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []
         old = self.active.get(req)
         if old is not None and senders > 1 and old.senders == senders and part not in old.parts:
+            if chunks != old.chunks:
+                raise BlockError(f"request {req!r} part {part}: {chunks} chunks, the request holds {old.chunks}")
             self._join(old, peer, n, part, selection, r)
             self._merge_meta(old, part, meta)
             old.one_sided = old.one_sided or one_sided
@@ -225,13 +239,15 @@ class Grants:
             next(_generations),
             peer,
             np.asarray(ids, dtype=np.int64),
-            n * self.block_bytes,
+            (n if chunks is None else chunks) * self.block_bytes // (1 if chunks is None else per_block),
             deadline,
             senders=senders,
             live_peers={peer},
             admitted=now,
             one_sided=one_sided,
             external=external,
+            chunks=chunks,
+            per_block=per_block,
         )
         self.active[req] = slot
         if senders > 1:
@@ -253,10 +269,24 @@ class Grants:
         one_sided: bool = False,
         ids: np.ndarray | None = None,
         ranges: np.ndarray | None = None,
+        chunks: int | None = None,
+        per_block: int = 1,
     ) -> Slot:
         """Admit an offer this consumer will read: blocks to read into (``ids`` for a fetch), named to the
         producer by its lease; ``ranges``: the bytes of every block the offer fills (it must fill them all)."""
-        slot, _ = self.admit(peer, req, n, deadline, now, meta=meta, one_sided=one_sided, ids=ids, ranges=ranges)
+        slot, _ = self.admit(
+            peer,
+            req,
+            n,
+            deadline,
+            now,
+            meta=meta,
+            one_sided=one_sided,
+            ids=ids,
+            ranges=ranges,
+            chunks=chunks,
+            per_block=per_block,
+        )
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot
 
@@ -281,7 +311,8 @@ class Grants:
                 f"request {slot.req!r}: its {slot.senders} parts cover {covered} of {self.block_bytes} bytes per block"
             )
         mine = int((ranges[:, 1] - ranges[:, 0]).sum())
-        p = Part(part, next(_generations), peer, selection, ranges, n * mine, slot)
+        nbytes = n * mine if slot.chunks is None else slot.chunks * mine // slot.per_block
+        p = Part(part, next(_generations), peer, selection, ranges, nbytes, slot)
         slot.parts[part] = p
         slot.live_peers.add(peer)
         return p
@@ -536,6 +567,7 @@ class Lease:
     peer: int
     ids: np.ndarray
     expires: float
+    chunks: int | None = None  # the reader pages with other tokens per block: the request's chunk count
 
 
 class Leases:
@@ -546,8 +578,8 @@ class Leases:
         self.active: dict[tuple[str, int], Lease] = {}
 
     @_locked
-    def offer(self, peer: int, req: str, ids: np.ndarray, lease: float, now: float) -> Lease:
-        item = Lease(req, next(_generations), peer, ids, now + lease)
+    def offer(self, peer: int, req: str, ids: np.ndarray, lease: float, now: float, chunks: int | None = None) -> Lease:
+        item = Lease(req, next(_generations), peer, ids, now + lease, chunks)
         self.active[(req, item.gen)] = item
         return item
 

@@ -173,10 +173,10 @@ class Producer(HandleBase):
             challenge = ch.request(opening, timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
             proof, key = handshake.answer(challenge, who, self.auth, nonce, self.layout, offers)
             welcome = ch.request(proof, remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
-            reply, remote, pairing = handshake.check_welcome(welcome, who, key, self.layout, list(self.transports))
+            reply, remote, paging = handshake.check_welcome(welcome, who, key, self.layout, list(self.transports))
             if address is None:
                 address = _data_address(reply.address, host)
-            peer = Peer(reply.session, address, remote, pairing, reply.transport_meta, is_producer=True, key=key)
+            peer = Peer(reply.session, address, remote, paging, reply.transport_meta, is_producer=True, key=key)
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]
             return _ProducerSession(self, address, ch, peer, transport, transport.connect(peer), challenge.peer_id)
@@ -239,13 +239,31 @@ class Producer(HandleBase):
         s.thread.start()
 
     # ---- submitting -------------------------------------------------------------------------------------
-    def _start(self, kind: str, address: str, req: str, block_ids, deadline: float | None) -> Transfer:
+    def _start(
+        self, kind: str, address: str, req: str, block_ids, deadline: float | None, tokens: int | None = None
+    ) -> Transfer:
         self._check_open()
         ids = check_ids(block_ids, self.layout.num_blocks, "source block ids")
+        if tokens is not None:
+            bs = self.layout.fingerprint.block_size
+            if not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
+                raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
         seconds = self.deadline if deadline is None else deadline
         t = Transfer(str(req), kind, address, ids, self.layout.block_bytes, deadline_in(seconds))
+        t.tokens = None if tokens is None else int(tokens)
         t._on_cancel = self._cancelled
         return t
+
+    @staticmethod
+    def _tokens(s: _ProducerSession, t: Transfer) -> int | None:
+        """What an Admit or Offer says of ``t``'s tokens: nothing when both sides page alike, else the count the
+        consumer maps blocks through (per-block digests cannot follow blocks that change size)."""
+        paging = s.link.paging()
+        if paging.k == 1:
+            return None
+        if t.digests:
+            raise BlockError(f"request {t.req!r}: per-block digests need the same tokens per block on both sides")
+        return t.tokens or len(t.src_ids) * paging.src_block
 
     def _enroll(self, t: Transfer) -> _ProducerSession:
         s = self._session(t.address, t.deadline)
@@ -294,6 +312,7 @@ class Producer(HandleBase):
         senders: int = 1,
         part: int = 0,
         retry_busy: bool = False,
+        tokens: int | None = None,
     ) -> Transfer:
         """Ask ``address`` to admit ``len(block_ids)`` blocks and write these blocks into its grant.
 
@@ -310,8 +329,12 @@ class Producer(HandleBase):
 
         ``retry_busy``: a ``Busy`` consumer is asked again after the ``retry_after`` it named, until the
         deadline (then ``DeadlineError``); without it the transfer ends with ``BusyError`` at once.
+
+        ``tokens``: how many tokens the blocks hold (the last one may be partial; default all full). A consumer
+        paging with other tokens per block (a multiple or a divisor of ours) is granted the blocks that hold
+        them and receives them token for token.
         """
-        t = self._start("push", address, req, block_ids, deadline)
+        t = self._start("push", address, req, block_ids, deadline, tokens)
         t.meta = dict(meta or {})
         if layers is not None and heads is not None:
             raise BlockError("a part carries layers or heads, not both")
@@ -349,6 +372,7 @@ class Producer(HandleBase):
                 part=t.part,
                 layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
                 heads=None if t.part_of is None or t.part_of.heads is None else list(t.part_of.heads),
+                tokens=self._tokens(s, t),
             )
         )
 
@@ -361,18 +385,22 @@ class Producer(HandleBase):
         meta: dict | None = None,
         lease: float | None = None,
         digests: bool = False,
+        tokens: int | None = None,
     ) -> Transfer:
         """Offer blocks for ``address`` to pull; the transfer ends when the consumer released them (the
-        producer may then free them) or when the lease runs out (``LeaseExpiredError``)."""
+        producer may then free them) or when the lease runs out (``LeaseExpiredError``). ``tokens`` as for
+        ``push``."""
         seconds = self.lease if lease is None else lease
-        t = self._start("pull", address, req, block_ids, seconds)
+        t = self._start("pull", address, req, block_ids, seconds, tokens)
         t.meta = dict(meta or {})
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         return self._launch(t, self._offer)
 
     def _offer(self, s: _ProducerSession, t: Transfer) -> None:
         seconds = max(0.0, t.deadline - time.monotonic())
-        t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic()).gen
+        tokens = self._tokens(s, t)
+        t.chunks = None if tokens is None else s.link.paging().chunks(tokens)
+        t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic(), t.chunks).gen
         s.transport.expect()
         s.send(
             wire.Offer(
@@ -382,6 +410,7 @@ class Producer(HandleBase):
                 lease_ms=ms(seconds),
                 meta=t.meta,
                 digests=t.digests,
+                tokens=tokens,
             )
         )
 
@@ -393,21 +422,24 @@ class Producer(HandleBase):
         lease: float | None = None,
         meta: dict | None = None,
         digests: bool = False,
+        tokens: int | None = None,
     ) -> Transfer:
         """Keep ``block_ids`` readable as ``req`` until one consumer fetched them (``Consumer.fetch``) or the
-        lease runs out. ``ticket`` on the returned transfer is what that consumer needs (JSON-safe). The
-        transfer ends when the blocks are no longer read: fetched and confirmed (no error), the fetch failed,
-        the lease expired (``LeaseExpiredError``) or ``cancel``; only then may the caller reuse them."""
+        lease runs out; ``tokens`` as for ``push`` (a consumer with other tokens per block fetches by them).
+        ``ticket`` on the returned transfer is what that consumer needs (JSON-safe). The transfer ends when the
+        blocks are no longer read: fetched and confirmed (no error), the fetch failed, the lease expired
+        (``LeaseExpiredError``) or ``cancel``; only then may the caller reuse them."""
         if self.address is None:
             raise ConfigError("hold() needs a producer that listens (Producer(listen=...))")
         seconds = self.lease if lease is None else lease
-        t = self._start("hold", self.address, req, block_ids, seconds)
+        t = self._start("hold", self.address, req, block_ids, seconds, tokens)
         t.meta = dict(meta or {})
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.ticket = {
             "address": self.address,
             "request_id": t.req,
             "num_blocks": len(t.src_ids),
+            "tokens": t.tokens or len(t.src_ids) * self.layout.fingerprint.block_size,
             "lease_expires": time.time() + seconds,
             "fingerprint": self.layout.fingerprint_id,
             "transports": list(self.transports),
@@ -420,18 +452,27 @@ class Producer(HandleBase):
         return t
 
     def _fetch(self, s: _ProducerSession, msg: wire.Fetch) -> None:
-        """A consumer asks for blocks of a hold: offer them on its session, under what is left of the lease."""
+        """A consumer asks for blocks of a hold: offer them on its session, under what is left of the lease.
+        A consumer paging with other tokens per block asks for tokens from block ``skip`` on: it gets the hold's
+        blocks that hold them, up to the hold's last token."""
         error: KVXferError | None = None
+        paging = s.link.paging()
         with self._lock:
             t = self._holds.get(msg.req)
+            n, tokens = msg.num_blocks, None
+            if t is not None and paging.k > 1:
+                held_tokens = t.tokens or len(t.src_ids) * paging.src_block
+                tokens = min(msg.tokens or n * paging.src_block, held_tokens - msg.skip * paging.src_block)
+                n = paging.src_blocks(tokens) if tokens > 0 else 0
             if t is None or t.done():
                 error = StaleError(f"no hold for request {msg.req!r} (never held, fetched, expired or cancelled)")
             elif t.fetcher is not None:
                 error = StaleError(f"request {msg.req!r} is already being fetched")
-            elif msg.num_blocks == 0 or msg.skip + msg.num_blocks > len(t.src_ids):
+            elif paging.k > 1 and t.digests:
+                error = BlockError(f"request {msg.req!r}: per-block digests need the same tokens per block")
+            elif n == 0 or msg.skip + n > len(t.src_ids):
                 error = BlockError(
-                    f"request {msg.req!r}: blocks [{msg.skip}, {msg.skip + msg.num_blocks}) asked of a hold of "
-                    f"{len(t.src_ids)}"
+                    f"request {msg.req!r}: blocks [{msg.skip}, {msg.skip + n}) asked of a hold of {len(t.src_ids)}"
                 )
             elif msg.req in s.transfers:
                 error = BlockError(f"request {msg.req!r} is already in flight on this session")
@@ -444,11 +485,12 @@ class Producer(HandleBase):
         assert t is not None
         log.debug("kvxfer hold %s: fetched by %s", t.req, s.address)
         now = time.monotonic()
-        ids = t.src_ids[msg.skip : msg.skip + msg.num_blocks]
+        ids = t.src_ids[msg.skip : msg.skip + n]
         seconds = max(0.0, t.deadline - now)
-        t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now).gen
+        t.chunks = None if tokens is None else paging.chunks(tokens)
+        t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now, t.chunks).gen
         t._mark(Status.MOVING, "admitted")
-        digests = t.digests[4 * msg.skip : 4 * (msg.skip + msg.num_blocks)]
+        digests = t.digests[4 * msg.skip : 4 * (msg.skip + n)]
         s.transport.expect()
         s.send(
             wire.Offer(
@@ -458,6 +500,7 @@ class Producer(HandleBase):
                 lease_ms=ms(seconds),
                 meta=t.meta,
                 digests=digests,
+                tokens=tokens,
             )
         )
 
@@ -555,8 +598,14 @@ class Producer(HandleBase):
         t.gen = msg.gen
         try:
             t.dst_ids = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
-            if len(t.dst_ids) != len(t.src_ids):
-                raise BlockError(f"consumer granted {len(t.dst_ids)} blocks for {len(t.src_ids)}")
+            tokens = self._tokens(s, t)
+            paging = s.link.paging(t.part_of)
+            want = len(t.src_ids) if tokens is None else paging.dst_blocks(tokens)
+            if len(t.dst_ids) != want:
+                raise BlockError(f"consumer granted {len(t.dst_ids)} blocks for {want}")
+            if tokens is not None:
+                t.chunks = paging.chunks(tokens)
+                t.nbytes = paging.nbytes(t.chunks)
         except KVXferError as e:
             return self._fail(s, t, e)
         t._mark(Status.MOVING, "admitted")
@@ -580,10 +629,8 @@ class Producer(HandleBase):
                 # RDMA gives the receiver no say over a remote write: the grant is enforced here
                 raise BlockError(f"request {t.req!r} would write blocks it was not granted")
             if t.part_of is None:
-                t._descriptors = lambda: s.link.descriptors(t.src_ids, dst)
-                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event)
-            else:
-                moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, part=t.part_of)
+                t._descriptors = lambda: s.link.descriptors(t.src_ids, dst, t.chunks)
+            moved = s.link.write(t.req, t.gen, t.src_ids, dst, t.deadline, t.cancel_event, t.part_of, t.chunks)
         except KVXferError as e:
             if isinstance(e, PeerError) and s.alive:
                 # a consumer that cancels or fails a request cuts its data connection and says why on the control

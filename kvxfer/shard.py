@@ -10,7 +10,7 @@ replicated head is shipped once, by the lowest producer rank holding it.
 
 Layouts declare the heads they hold (``KVLayout.heads``); the handshake pairs two of them with ``link_pairing``,
 and a ``Selection`` names what one part of a multi-sender request carries (layers or heads): the pairing that moves
-it and the bytes of the consumer's blocks it fills. Different tokens per block map through ``token_plan``.
+it and the bytes of the consumer's blocks it fills. Different tokens per block map through ``paging``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import BlockError, IncompatibleError
+from .errors import IncompatibleError
 from .layout import KVLayout, check_compatible, order_dims
-from .plan import Extents, Pairing, Plan, dim_ranges, layer_ranges, make_plan, pair
+from .plan import Pairing, dim_ranges, layer_ranges, pair
 from .wire import Fingerprint
 
 Heads = tuple[int, int]  # [start, stop) of the model's kv heads
@@ -60,17 +60,20 @@ def sources(dst_rank: int, dst_tp: int, src_tp: int, num_heads: int) -> list[tup
     return out
 
 
-def _masked(fp: Fingerprint, role: str) -> list[tuple[str, int | None]]:
-    """The order with the size of ``role`` masked (it is what differs between two sides)."""
-    return [(r, None if r == role else k) for r, k in order_dims(fp)]
+def unsized(fp: Fingerprint, role: str, heads: Heads | None = None) -> list[tuple[str, int | None]]:
+    """The order with the size of ``role`` masked (it is what differs between two sides), and with ``heads``
+    the head count too, after checking that it holds them."""
+    dims = order_dims(fp)
+    if heads is not None:
+        n = [k for r, k in dims if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
+        if len(n) != 1 or n[0] != heads[1] - heads[0] or heads[0] < 0:
+            raise IncompatibleError(f"order {fp.order!r} does not hold the {heads[1] - heads[0]} heads {list(heads)}")
+    return [(r, None if r == role or (heads is not None and r == "H") else k) for r, k in dims]
 
 
 def _dims(fp: Fingerprint, held: Heads) -> list[tuple[str, int | None]]:
     """The order with the head count masked, after checking that it holds ``held``."""
-    n = [k for r, k in order_dims(fp) if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
-    if len(n) != 1 or n[0] != held[1] - held[0] or held[0] < 0:
-        raise IncompatibleError(f"order {fp.order!r} does not hold the {held[1] - held[0]} heads {list(held)}")
-    return _masked(fp, "H")
+    return unsized(fp, "H", held)
 
 
 def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads) -> None:
@@ -161,52 +164,22 @@ def coverage(a: KVLayout, b: KVLayout) -> np.ndarray:
     return np.asarray(_head_bytes(b, (b0, b1), max(a0, b0), min(a1, b1)), dtype=np.int64)
 
 
-def check_tokens(a: Fingerprint, b: Fingerprint) -> None:
-    """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model paged with different
-    tokens per block, one a multiple of the other."""
-    ma, mb = _masked(a, "N"), _masked(b, "N")
-    big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
-    if ma != mb or ("N", None) not in ma or (a.dtype, a.num_layers) != (b.dtype, b.num_layers) or big % small:
-        raise IncompatibleError(
-            f"blocks of {a.block_size} tokens ({a.dtype} {a.order!r}) do not map onto blocks of {b.block_size} "
-            f"tokens ({b.dtype} {b.order!r})"
-        )
-
-
-def token_plan(a: KVLayout, b: KVLayout, src_ids, dst_ids) -> Plan:
-    """Blocks ``src_ids`` of ``a`` into blocks ``dst_ids`` of ``b`` through token positions, when the two page a
-    request with different tokens per block: token ``t`` of the request is in ``src_ids[t // a.block_size]``
-    and lands in ``dst_ids[t // b.block_size]``. Each side's last block may be partial; a source block's tokens
-    past the request land in the destination's unused slots, never in another block."""
-    fa, fb = a.fingerprint, b.fingerprint
-    check_tokens(fa, fb)
-    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
-    if fa.block_size == fb.block_size:
-        return make_plan(pair(a, b), src, dst, a.num_blocks, b.num_blocks)
-    k = max(fa.block_size, fb.block_size) // min(fa.block_size, fb.block_size)
-    many, few = (len(src), len(dst)) if fa.block_size < fb.block_size else (len(dst), len(src))
-    if not (few - 1) * k < many <= few * k:
-        raise BlockError(
-            f"{len(src)} blocks of {fa.block_size} tokens do not cover the tokens of {len(dst)} blocks of "
-            f"{fb.block_size}"
-        )
-    plans = []
-    for j in range(k):
-        if fa.block_size < fb.block_size:  # several source blocks fill one destination block, slice j each
-            s = src[j::k]
-            d = dst[: len(s)]
-            cut = dim_ranges(fb, "N", j * fa.block_size, (j + 1) * fa.block_size)
-            p = pair(a, b, [[0, a.block_bytes]], cut)
-        else:  # slice j of each source block fills one destination block
-            d = dst[j::k]
-            s = src[: len(d)]
-            cut = dim_ranges(fa, "N", j * fb.block_size, (j + 1) * fb.block_size)
-            p = pair(a, b, cut, [[0, b.block_bytes]])
-        if len(s):
-            plans.append(make_plan(p, s, d, a.num_blocks, b.num_blocks))
-    src_x, dst_x = ([getattr(p, side) for p in plans] for side in ("src", "dst"))
-    return Plan(_concat(src_x), _concat(dst_x))
-
-
-def _concat(xs: list[Extents]) -> Extents:
-    return Extents(*(np.concatenate([getattr(x, f) for x in xs]) for f in ("region", "offset", "nbytes")))
+def sides(a: KVLayout, b: KVLayout, part: Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a block of ``a`` and of a block of ``b`` that ``part`` moves (None: a whole request, for
+    shards the heads both hold), whatever their tokens per block."""
+    if part is not None and part.heads is not None:
+        lo, hi = part.heads
+    elif part is not None:
+        if sharded(a, b):
+            raise IncompatibleError("a layer part needs both sides to hold the same heads")
+        return layer_ranges(a, part.layers or ()), layer_ranges(b, part.layers or ())
+    elif not sharded(a, b):
+        return np.array([[0, a.block_bytes]], dtype=np.int64), np.array([[0, b.block_bytes]], dtype=np.int64)
+    else:
+        lo, hi = max(held(a)[0], held(b)[0]), min(held(a)[1], held(b)[1])
+    (a0, a1), (b0, b1) = held(a), held(b)
+    if not (a0 <= lo < hi <= a1 and b0 <= lo < hi <= b1):
+        raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {[a0, a1]} and {[b0, b1]}")
+    return np.asarray(_head_bytes(a, held(a), lo, hi), dtype=np.int64), np.asarray(
+        _head_bytes(b, held(b), lo, hi), dtype=np.int64
+    )

@@ -54,6 +54,8 @@ class Transfer:
         self.override: np.ndarray | None = None
         self.part_of: Selection | None = None  # one part of a multi-sender push: only these layers or heads
         self.senders, self.part = 1, 0  # multi-sender: this push is part ``part`` of ``senders``
+        self.tokens: int | None = None  # the request's tokens in its source blocks (None: every block full)
+        self.chunks: int | None = None  # the other side pages with other tokens per block: chunks moved
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self.cancel_event = threading.Event()

@@ -46,6 +46,7 @@ _LEN = struct.Struct(">I")
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # counts, lengths, offsets: int64 arithmetic never wraps
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]  # a request's tokens: at least one
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds nothing above 2**64 - 1
 Device = Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=1 << 16)]
@@ -179,6 +180,8 @@ class Admit(_Msg, tag="admit"):
     heads: Annotated[list[U32], msgspec.Meta(min_length=2, max_length=2)] | None = None  # [start, stop): a part
     # carrying these kv heads of every block (of the model's heads; both sides declared theirs in the handshake)
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
+    tokens: Tokens | None = None  # set when the two sides page with different tokens per block: the request's
+    # tokens in its ``num_blocks`` source blocks; the grant is the consumer's blocks that hold them
 
 
 class Grant(_Msg, tag="grant"):
@@ -204,6 +207,7 @@ class Offer(_Msg, tag="offer"):
     lease_ms: U63
     meta: Meta = {}
     digests: bytes = b""
+    tokens: Tokens | None = None  # as in ``Admit``: the offered blocks' tokens, when the two sides page differently
 
 
 class Fetch(_Msg, tag="fetch"):
@@ -214,6 +218,8 @@ class Fetch(_Msg, tag="fetch"):
     num_blocks: U32
     skip: U32 = 0
     attempt: U63 = 0
+    tokens: Tokens | None = None  # the two sides page differently: the tokens wanted from hold block ``skip`` on
+    # (the offer holds at most what the hold has)
 
 
 class Done(_Msg, tag="done"):

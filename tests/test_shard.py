@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from kvxfer import BlockError, IncompatibleError, KVLayout
+from kvxfer.paging import paging
 from kvxfer.plan import dim_ranges, make_plan
-from kvxfer.shard import check_shards, heads_of, shard_pairing, sources, token_plan
+from kvxfer.shard import check_shards, heads_of, shard_pairing, sources
 
 NB, L, BS, D = 12, 2, 4, 3  # blocks, layers, tokens per block, head_dim (K and V: 2 * D values per token)
 TPS = (1, 2, 4, 8)
@@ -137,7 +138,8 @@ def test_block_sizes_map_through_token_positions(kind, bs_a, bs_b, tokens):
     b = KVLayout.from_tensors(dst_t, block_size=bs_b, **kw)
     src_ids = rng.permutation(NB)[: -(-tokens // bs_a)]
     dst_ids = rng.permutation(NB)[: -(-tokens // bs_b)]
-    _run(token_plan(a, b, src_ids, dst_ids), a, b)
+    p = paging(a, b)
+    _run(p.plan(src_ids, dst_ids, p.chunks(tokens), a.num_blocks, b.num_blocks), a, b)
     t = np.arange(tokens)
     for layer in range(L):
         got, want = dst_logical[layer](), src_logical[layer]()
@@ -152,12 +154,17 @@ def test_block_size_mapping_refuses_what_does_not_fit():
     a = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 16)[0], block_size=16, **kw)
     b = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 64)[0], block_size=64, **kw)
     c = KVLayout.from_tensors(_rank_tensors("hnd", None, (0, 2), 48)[0], block_size=48, **kw)
-    with pytest.raises(BlockError, match="do not cover"):
-        token_plan(a, b, [0, 1, 2, 3, 4], [0])  # 5 blocks of 16 need 2 of 64
-    with pytest.raises(BlockError, match="do not cover"):
-        token_plan(a, b, [0, 1], [0, 1])
+    p = paging(a, b)
+    with pytest.raises(BlockError, match="need 2"):
+        p.plan([0, 1, 2, 3, 4], [0], 5, a.num_blocks, b.num_blocks)  # 5 blocks of 16 need 2 of 64
+    with pytest.raises(BlockError, match="need 1"):
+        p.plan([0, 1], [0, 1], 2, a.num_blocks, b.num_blocks)
+    with pytest.raises(BlockError, match="token count"):
+        p.plan([0, 1], [0], None, a.num_blocks, b.num_blocks)
+    with pytest.raises(BlockError, match="fill 2 destination blocks, not 1"):
+        p.check(80, src_blocks=5, dst_blocks=1)
     with pytest.raises(IncompatibleError, match="do not map"):
-        token_plan(c, b, [0], [0])
+        paging(c, b)
     nhd = KVLayout.from_tensors(_rank_tensors("nhd", None, (0, 2), 64)[0], block_size=64, dims="BNHD")
     with pytest.raises(IncompatibleError, match="do not map"):
-        token_plan(a, nhd, [0], [0])
+        paging(a, nhd)

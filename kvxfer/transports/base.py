@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 import numpy as np
 
 from ..layout import KVLayout
-from ..plan import Pairing
+from ..paging import Paging, paging
 from ..shard import Selection
 
 
@@ -28,7 +28,7 @@ class Peer:
     session: int
     address: str  # the consumer's listening address
     layout: KVLayout  # the peer's layout (remote addresses for one-sided transports)
-    pairing: Pairing  # side ``a`` is the producer's layout, side ``b`` the consumer's
+    paging: Paging  # side ``a`` is the producer's layout, side ``b`` the consumer's
     meta: bytes  # the peer's ``local_meta``
     is_producer: bool  # whether *this* side is the producer
     key: bytes = b""  # the session key both sides derived in the handshake (data connections prove it)
@@ -38,8 +38,8 @@ class WriteHost(Protocol):
     """The consumer's side of a transport: it checks every write against its ledger before a byte lands."""
 
     def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
-        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error`` and ``.selection``) or raises
-        a kvxfer error. The blocks stay allocated until ``end_write`` of that ticket."""
+        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error``, ``.selection`` and
+        ``.chunks``) or raises a kvxfer error. The blocks stay allocated until ``end_write`` of that ticket."""
 
     def end_write(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
 
@@ -51,7 +51,8 @@ class ReadHost(Protocol):
     """The producer's side of a transport: it checks every read against its leases."""
 
     def begin_read(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
-        """A peer wants to read offered blocks ``ids``; returns a ticket or raises a kvxfer error."""
+        """A peer wants to read offered blocks ``ids``; returns a ticket (with ``.chunks``) or raises a kvxfer
+        error."""
 
     def end_read(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
 
@@ -78,29 +79,38 @@ class Link(ABC, Generic[T]):
         deadline: float,
         cancel: threading.Event,
         part: Selection | None = None,
+        chunks: int | None = None,
     ) -> int:
         """Push local blocks ``src_ids`` into the peer's granted blocks ``dst_ids``; returns bytes moved.
-        ``part`` restricts the write to those layers or heads of every block (one part of a multi-sender push)."""
+        ``part`` restricts the write to those layers or heads of every block (one part of a multi-sender push);
+        ``chunks`` is the request's chunk count when the two sides page it with different block sizes."""
 
     @abstractmethod
     def read(
-        self, req: str, gen: int, src_ids: np.ndarray, dst_ids: np.ndarray, deadline: float, cancel: threading.Event
+        self,
+        req: str,
+        gen: int,
+        src_ids: np.ndarray,
+        dst_ids: np.ndarray,
+        deadline: float,
+        cancel: threading.Event,
+        chunks: int | None = None,
     ) -> int:
         """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
 
-    def pairing(self, part: Selection | None = None) -> Pairing:
-        """The peer's pairing, restricted to what ``part`` carries (cached per selection)."""
+    def paging(self, part: Selection | None = None) -> Paging:
+        """The peer's paging, restricted to what ``part`` carries (cached per selection)."""
         if part is None:
-            return self.peer.pairing
+            return self.peer.paging
         cache = self.__dict__.setdefault("_selected", {})
         p = cache.get(part)
         if p is None:
             local = self.t.layout
             a, b = (local, self.peer.layout) if self.peer.is_producer else (self.peer.layout, local)
-            p = cache[part] = part.pairing(a, b)
+            p = cache[part] = paging(a, b, part)
         return p
 
-    def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> int:
+    def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int | None = None) -> int:
         """How many descriptors a transfer of these blocks costs after coalescing (for reports)."""
         return 0
 

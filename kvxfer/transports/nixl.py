@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, TransportError
 from ..memory import HOST
-from ..plan import Extents, make_plan
+from ..plan import Extents
 from .base import Link, Peer, Transport, WriteHost
 
 _NOTIF = msgspec.msgpack.Encoder()
@@ -281,12 +281,12 @@ class NixlLink(Link[NixlTransport]):
         out[:, 2] = devs[region]
         return out
 
-    def _plan(self, src_ids, dst_ids, part=None):
+    def _plan(self, src_ids, dst_ids, part=None, chunks=None):
         a, b = (self.t.layout, self.peer.layout) if self.peer.is_producer else (self.peer.layout, self.t.layout)
-        return make_plan(self.pairing(part), src_ids, dst_ids, a.num_blocks, b.num_blocks)
+        return self.paging(part).plan(src_ids, dst_ids, chunks, a.num_blocks, b.num_blocks)
 
-    def descriptors(self, src_ids, dst_ids) -> int:
-        return len(self._plan(src_ids, dst_ids))
+    def descriptors(self, src_ids, dst_ids, chunks=None) -> int:
+        return len(self._plan(src_ids, dst_ids, chunks=chunks))
 
     def _run(
         self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float, cancel: threading.Event
@@ -340,15 +340,15 @@ class NixlLink(Link[NixlTransport]):
                 with lock, contextlib.suppress(Exception):
                     agent.release_xfer_handle(handle)
 
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None) -> int:
-        plan = self._plan(src_ids, dst_ids, part)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None, chunks=None) -> int:
+        plan = self._plan(src_ids, dst_ids, part, chunks)
         local = self._descs(plan.src, self.t.ptrs, self.t.devs)
         remote = self._descs(plan.dst, self.rptrs, self.rdevs)
         self._run("WRITE", local, remote, _NOTIF.encode((req, gen, plan.total)), deadline, cancel)
         return plan.total
 
-    def read(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
-        plan = self._plan(src_ids, dst_ids)
+    def read(self, req, gen, src_ids, dst_ids, deadline, cancel, chunks=None) -> int:
+        plan = self._plan(src_ids, dst_ids, chunks=chunks)
         local = self._descs(plan.dst, self.t.ptrs, self.t.devs)
         remote = self._descs(plan.src, self.rptrs, self.rdevs)
         self._run("READ", local, remote, b"", deadline, cancel)

@@ -20,7 +20,7 @@ from ... import wire
 from ...channel import Channel, remaining
 from ...errors import CancelledError, KVXferError, PeerError, ProtocolError, from_code
 from ...handshake import data_hello
-from ...plan import Extents, extents
+from ...plan import Extents
 from ...shard import Selection
 from ...sockets import connect, mapped
 from ..base import Link, Peer, ReadHost, WriteHost
@@ -62,8 +62,6 @@ class TcpLink(Link["TcpTransport"]):
         self.t = transport
         self.peer = peer
         self.conns = Connections(self._dial, transport.streams)
-        side = peer.pairing.a if peer.is_producer else peer.pairing.b
-        self._side, self._nbytes = side, peer.pairing.nbytes
 
     @property
     def closed(self) -> bool:
@@ -85,11 +83,9 @@ class TcpLink(Link["TcpTransport"]):
             return
         self.spawn(self.serve_reads, ch)
 
-    def _extents(self, ids: np.ndarray, part: Selection | None = None) -> Extents:
-        if part is not None:
-            p = self.pairing(part)
-            return extents(p.a if self.peer.is_producer else p.b, p.nbytes, ids, self.t.layout.num_blocks)
-        return extents(self._side, self._nbytes, ids, self.t.layout.num_blocks)
+    def _extents(self, ids: np.ndarray, part: Selection | None = None, chunks: int | None = None) -> Extents:
+        """Our side of a transfer of ``ids``: the stream transport needs no other side's ids."""
+        return self.paging(part).side(self.peer.is_producer, ids, chunks, self.t.layout.num_blocks)
 
     def _checker(self, deadline: float, cancel: threading.Event) -> Callable[[], None]:
         def check():
@@ -114,12 +110,12 @@ class TcpLink(Link["TcpTransport"]):
     def _streams(self, ext: Extents) -> list[tuple[int, int]]:
         return windows.split(ext.total, min(self.t.streams, max(1, ext.total // self.t.window_min)))
 
-    def descriptors(self, src_ids, dst_ids) -> int:
-        return len(self._extents(src_ids if self.peer.is_producer else dst_ids))
+    def descriptors(self, src_ids, dst_ids, chunks=None) -> int:
+        return len(self._extents(src_ids if self.peer.is_producer else dst_ids, chunks=chunks))
 
     # ---- push: producer side -------------------------------------------------------------------------------
-    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None) -> int:
-        ext = self._extents(src_ids, part)
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None, chunks=None) -> int:
+        ext = self._extents(src_ids, part, chunks)
         ids = wire.ids_to_bytes(dst_ids)
         check = self._checker(deadline, cancel)
 
@@ -164,9 +160,8 @@ class TcpLink(Link["TcpTransport"]):
                     continue
                 try:
                     # the grant decides the bytes
-                    window = windows.checked(
-                        self._extents(ids, getattr(ticket, "selection", None)), msg.offset, msg.length
-                    )
+                    ext = self._extents(ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None))
+                    window = windows.checked(ext, msg.offset, msg.length)
                     check = functools.partial(self._ticket_live, ticket)
                     self.t.watchdog.guarded(sock, check, functools.partial(self.t.mover.recv, sock, window))
                 except KVXferError as e:
@@ -183,8 +178,8 @@ class TcpLink(Link["TcpTransport"]):
             self.conns.drop(ch)
 
     # ---- pull: consumer side -------------------------------------------------------------------------------
-    def read(self, req, gen, src_ids, dst_ids, deadline, cancel) -> int:
-        ext = self._extents(dst_ids)
+    def read(self, req, gen, src_ids, dst_ids, deadline, cancel, chunks=None) -> int:
+        ext = self._extents(dst_ids, chunks=chunks)
         ids = wire.ids_to_bytes(src_ids)
         check = self._checker(deadline, cancel)
 
@@ -228,7 +223,8 @@ class TcpLink(Link["TcpTransport"]):
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
                     ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
                     try:
-                        window = windows.checked(self._extents(ids), msg.offset, msg.length)
+                        ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
+                        window = windows.checked(ext, msg.offset, msg.length)
                     except KVXferError as e:
                         host.end_read(ticket, 0, e)
                         raise
