@@ -188,6 +188,7 @@ class Consumer(HandleBase):
         skip: int = 0,
         deadline: float | None = None,
         tokens: int | None = None,
+        from_token: int | None = None,
     ) -> Fetch:
         """Read blocks ``[skip, skip + len(block_ids))`` of what the producer at ``address`` holds as ``req``
         (``Producer.hold``) into this consumer's ``block_ids``, chosen by the caller (never taken from or given
@@ -195,8 +196,9 @@ class Consumer(HandleBase):
         with a typed error, and in both cases only when no byte can land in ``block_ids`` any more. A producer
         paging with other tokens per block offers the blocks holding ``tokens`` tokens (default: all our blocks
         full) from its block ``skip`` on, at most its hold's last token: ``block_ids`` must be the blocks of ours
-        that hold what it offers."""
-        return self.fetches.start(address, req, block_ids, skip, deadline, tokens)
+        that hold what it offers. ``from_token`` says where to start in tokens instead of ``skip`` (it must
+        start one of the producer's blocks), for a caller that does not know the producer's block size."""
+        return self.fetches.start(address, req, block_ids, skip, deadline, tokens, from_token)
 
     def decline(self, address: str, req: str, reason: str = "not needed") -> None:
         """Tell the producer at ``address`` that its hold ``req`` will not be fetched, so it frees the blocks

@@ -47,6 +47,7 @@ class Fetch(Transfer):
         super().__init__(req, "fetch", address, ids, block_bytes, deadline)
         self.ids = ids
         self.skip = skip
+        self.from_token: int | None = None  # where to start, in tokens (skip follows once the producer is known)
         self.slot: Slot | None = None  # the ledger's slot once the producer offered the blocks
         self.session: _ConsumerSession | None = None
 
@@ -71,7 +72,14 @@ class Fetches:
         self._connecting: dict[str, threading.Lock] = {}
 
     def start(
-        self, address: str, req: str, block_ids, skip: int, deadline: float | None, tokens: int | None = None
+        self,
+        address: str,
+        req: str,
+        block_ids,
+        skip: int,
+        deadline: float | None,
+        tokens: int | None = None,
+        from_token: int | None = None,
     ) -> Fetch:
         c = self.c
         c._check_open()
@@ -79,14 +87,17 @@ class Fetches:
             raise ConfigError("fetching over TLS is not supported yet")
         parse_address(address)
         ids = check_ids(block_ids, c.layout.num_blocks, "destination block ids")
-        if skip < 0:
-            raise BlockError(f"skip must be >= 0, got {skip}")
+        if skip < 0 or (from_token or 0) < 0:
+            raise BlockError(f"skip and from_token must be >= 0, got {skip} and {from_token}")
+        if skip and from_token is not None:
+            raise BlockError("give skip (the producer's blocks) or from_token, not both")
         bs = c.layout.fingerprint.block_size
         if tokens is not None and not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
             raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
         seconds = c.deadline if deadline is None else deadline
         f = Fetch(str(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
         f.tokens = len(ids) * bs if tokens is None else int(tokens)
+        f.from_token = None if from_token is None else int(from_token)
         f._on_cancel = self._cancelled
         with self.lock:
             if f.req in self.by_req:
@@ -163,6 +174,12 @@ class Fetches:
                 f.session = s
                 s.fetches[f.req] = f
             paging = s.link.paging()
+            if f.from_token is not None:  # the caller counts in tokens: the producer's blocks, now that we know them
+                if f.from_token % paging.src_block:
+                    raise BlockError(
+                        f"token {f.from_token} does not start one of the producer's {paging.src_block}-token blocks"
+                    )
+                f.skip = f.from_token // paging.src_block
             if paging.k == 1:
                 ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)
             else:  # blocks of other sizes: ask for our tokens (the producer offers at most what it holds)

@@ -468,8 +468,6 @@ class Producer(HandleBase):
                 error = StaleError(f"no hold for request {msg.req!r} (never held, fetched, expired or cancelled)")
             elif t.fetcher is not None:
                 error = StaleError(f"request {msg.req!r} is already being fetched")
-            elif paging.k > 1 and t.digests:
-                error = BlockError(f"request {msg.req!r}: per-block digests need the same tokens per block")
             elif n == 0 or msg.skip + n > len(t.src_ids):
                 error = BlockError(
                     f"request {msg.req!r}: blocks [{msg.skip}, {msg.skip + n}) asked of a hold of {len(t.src_ids)}"
@@ -490,7 +488,8 @@ class Producer(HandleBase):
         t.chunks = None if tokens is None else paging.chunks(tokens)
         t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now, t.chunks).gen
         t._mark(Status.MOVING, "admitted")
-        digests = t.digests[4 * msg.skip : 4 * (msg.skip + n)]
+        # per-block digests cannot follow blocks that change size: a fetcher paging differently goes without
+        digests = t.digests[4 * msg.skip : 4 * (msg.skip + n)] if paging.k == 1 else b""
         s.transport.expect()
         s.send(
             wire.Offer(

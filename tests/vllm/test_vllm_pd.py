@@ -38,7 +38,7 @@ def _prefill(vh, p, rid, n, seed, claim=None) -> dict:
     return p.outputs[rid]["kv_transfer_params"]
 
 
-def _loaded_ok(vh, d, rid, n, seed) -> int:
+def _loaded_ok(vh, d, rid, n, seed, block=BLOCK) -> int:
     """Every prompt slot the decode instance did not compute itself holds what the prefill's attention wrote."""
     toks = vh.prompt_tokens(n, seed)
     table = d.worker.tables_seen[rid]
@@ -46,7 +46,7 @@ def _loaded_ok(vh, d, rid, n, seed) -> int:
     checked = 0
     for pos in range(first):
         for li, name in enumerate(vh.LAYERS):
-            got = d.worker.kv_caches[name][table[pos // BLOCK], :, pos % BLOCK, :]
+            got = d.worker.kv_caches[name][table[pos // block], :, pos % block, :]
             want = vh.slot_value(toks[pos], pos, li)
             assert bool((got == want).all()), (rid, pos, li, got.flatten()[:4], want)
         checked += 1
@@ -351,5 +351,64 @@ def test_a_ticket_the_decode_cache_already_covers_is_declined_at_once(vh, engine
     assert p.finished_sending.get("p-c") == 1 and time.monotonic() - t0 < 10
     assert d.outputs["d-c"]["kv_transfer_params"]["kvxfer"]["status"] == "not_fetched"
     assert "d-c" not in {o.req_id for o in d.worker.fetch_orders}
+    p.assert_no_leaks()
+    d.assert_no_leaks()
+
+
+def _paged_pair(vh, engines, transport, bp, bd, **extra):
+    common = {"transport": transport, "deadline": 10, **extra}
+    p = engines(vh.kvxfer_ktc(role="kv_producer", listen=f"127.0.0.1:{vh.free_port()}", lease=30, **common), block=bp)
+    return p, engines(vh.kvxfer_ktc(role="kv_consumer", **common), block=bd)
+
+
+@pytest.mark.parametrize(("bp", "bd"), [(16, 32), (32, 16), (16, 64)], ids=["16-into-32", "32-into-16", "16-into-64"])
+def test_decode_with_another_block_size_loads_token_for_token(vh, engines, transport, bp, bd):
+    """A prefill paging 16 or 32 tokens per block held; a decode instance with another block size fetches into
+    the blocks its own scheduler allocated: every prompt slot but the last holds the prefill's bytes, and both
+    pools end full. Prompt sizes: 1, a multiple of both block sizes, one more, and a chunked prompt. The prefill
+    computes digests (a setting): a fetcher paging differently goes without them."""
+    p, d = _paged_pair(vh, engines, transport, bp, bd, digests=True)
+    sizes = {"one": 1, "exact": 64, "plus1": 65, "chunked": 150}
+    tickets = {name: _prefill(vh, p, f"p-{name}", n, seed=i + 1) for i, (name, n) in enumerate(sizes.items())}
+    for i, (name, n) in enumerate(sizes.items()):
+        assert tickets[name]["kvxfer"]["block_size"] == bp
+        d.add(vh.make_request(f"d-{name}", n, 2, tickets[name], seed=i + 1))
+    _run_both(p, d)
+    for i, (name, n) in enumerate(sizes.items()):
+        rid = f"d-{name}"
+        r = d.outputs[rid]["kv_transfer_params"]["kvxfer"]
+        assert r["status"] == "fetched", r
+        assert d.first_computed[rid] == n - 1
+        assert _loaded_ok(vh, d, rid, n, i + 1, bd) == n - 1
+    assert sorted(p.finished_sending) == sorted(f"p-{k}" for k in sizes)
+    assert not d.load_errors
+    p.assert_no_leaks()
+    d.assert_no_leaks()
+
+
+def test_decode_prefix_hit_with_another_block_size(vh, engines):
+    """Decode blocks of 32 over prefill blocks of 16: a local hit of one decode block fetches the held prompt
+    from the prefill's third block on. Decode blocks of 16 over prefill blocks of 32: a local hit ending inside
+    a prefill block cannot be fetched around, so the rest is computed locally and the hold declined."""
+    p, d = _paged_pair(vh, engines, "tcp", 16, 32)
+    d.add(vh.make_request("d-a", 40, 2, _prefill(vh, p, "p-a", 40, seed=5), seed=5))
+    _run_both(p, d)
+    d.add(vh.make_request("d-b", 70, 2, _prefill(vh, p, "p-b", 70, seed=5), seed=5))
+    _run_both(p, d)
+    o = {o.req_id: o for o in d.worker.fetch_orders}["d-b"]
+    assert o.skip == 1 and o.block_ids == d.worker.tables_seen["d-b"][1:3]
+    assert d.first_computed["d-b"] == 69 and _loaded_ok(vh, d, "d-b", 70, 5, 32) == 69
+    p.assert_no_leaks()
+    d.assert_no_leaks()
+
+    p, d = _paged_pair(vh, engines, "tcp", 32, 16)
+    d.add(vh.make_request("d-a", 20, 2, _prefill(vh, p, "p-a", 20, seed=6), seed=6))
+    _run_both(p, d)
+    d.add(vh.make_request("d-b", 70, 2, _prefill(vh, p, "p-b", 70, seed=6), seed=6))
+    _run_both(p, d)
+    r = d.outputs["d-b"]["kv_transfer_params"]["kvxfer"]
+    assert r["status"] == "not_fetched" and "inside one of the prefill's blocks" in r["error"], r
+    assert d.first_computed["d-b"] == 16 and d.outputs["d-b"]["tokens"] == 2
+    assert "p-b" in p.finished_sending  # declined: freed now, not at the end of the lease
     p.assert_no_leaks()
     d.assert_no_leaks()

@@ -66,6 +66,7 @@ class KVXferScheduler:
         self._tracked: dict[str, _Tracked] = {}
         self._fetches: dict[str, _Fetch] = {}
         self._draining: set[str] = set()  # finished while their fetch ran: finished_recving not seen yet
+        self._misaligned: set[str] = set()  # the last answer for these: a local hit inside a prefill block
         self._delayed: set[str] = set()  # to tell the worker in the next metadata
         self._cancel_next: dict[str, tuple[int, str]] = {}
         self._awaiting: set[str] = set()  # delayed, finished_sending not seen yet
@@ -86,6 +87,10 @@ class KVXferScheduler:
         if claim is None or claim.kind != FETCH or claim.error:
             return 0, False
         count = self._held_tokens(request, claim) - num_computed_tokens
+        if num_computed_tokens % claim.ticket.block_size:  # a local hit ending inside a prefill block: computed here
+            self._misaligned.add(request.request_id)
+            return 0, False
+        self._misaligned.discard(request.request_id)
         return (count, True) if count > 0 else (0, False)
 
     def _alloc_fetch(self, request: Request, claim: Claim, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -99,8 +104,13 @@ class KVXferScheduler:
             f.outcome = ("not_fetched", "this instance's kv_role does not fetch (kv_consumer or kv_both does)")
             return
         if num_external_tokens <= 0:
-            f.outcome = ("not_fetched", "nothing to load: the local prefix-cache hit covers the held prompt")
-            self._decline(claim, "the decode side's prefix cache held the whole prompt")
+            if rid in self._misaligned:
+                self._misaligned.discard(rid)
+                why = "the local prefix-cache hit ends inside one of the prefill's blocks: the rest is computed here"
+            else:
+                why = "nothing to load: the local prefix-cache hit covers the held prompt"
+            f.outcome = ("not_fetched", why)
+            self._decline(claim, why)
             return
         f.held_tokens = self._held_tokens(request, claim)
         local = f.held_tokens - num_external_tokens
@@ -284,6 +294,7 @@ class KVXferScheduler:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._misaligned.discard(rid)
         f = self._fetches.pop(rid, None)
         if f is not None:
             return False, {PARAMS_KEY: self._fetch_finished(request, f)}

@@ -311,11 +311,13 @@ class KVXferWorker:
             if o.error:
                 raise KVXferError(o.error)
             # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
-            if o.block_size != self.block_size:
+            paged = o.block_size != self.block_size  # blocks map through token positions (the handshake checks)
+            if paged and max(o.block_size, self.block_size) % min(o.block_size, self.block_size):
                 raise IncompatibleError(
-                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}"
+                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}: "
+                    "neither is a multiple of the other"
                 )
-            if o.fingerprint and o.fingerprint != layout.fingerprint_id:
+            if not paged and o.fingerprint and o.fingerprint != layout.fingerprint_id:
                 raise IncompatibleError(
                     f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's "
                     f"{layout.fingerprint_id}"
@@ -326,9 +328,14 @@ class KVXferWorker:
             log.debug(
                 "kvxfer: request %s: fetching %r from %s, %.3fs left", o.req_id, o.transfer_id, o.address, remaining
             )
-            t = consumer.fetch(
-                o.address, o.transfer_id, self._kernel_ids(o.block_ids), skip=o.skip * self.ratio, deadline=remaining
-            )
+            ids = self._kernel_ids(o.block_ids)
+            if paged:  # our blocks hold the held tokens from the first one not here; the prefill's are counted so
+                start = o.skip * self.block_size
+                tokens = o.num_tokens - start
+                ids = ids[: -(-tokens // layout.fingerprint.block_size)]
+                t = consumer.fetch(o.address, o.transfer_id, ids, from_token=start, tokens=tokens, deadline=remaining)
+            else:
+                t = consumer.fetch(o.address, o.transfer_id, ids, skip=o.skip * self.ratio, deadline=remaining)
         except KVXferError as e:
             fe.error = e
             return
