@@ -367,3 +367,19 @@ def test_a_hung_handshake_delays_no_other_shipment(vh, engines, consumers, kvlog
     assert e.finished_sending == {"to-hung": 1, "after": 1}
     assert "request to-hung" in kvlog.text()
     e.assert_no_leaks()
+
+
+@pytest.mark.parametrize("block", [64, 32], ids=["into-64", "into-32"])
+def test_push_into_a_consumer_with_another_block_size(vh, engines, consumers, block):
+    """The prefill pages 16 tokens per block; a decode runtime pages ``block``: it is granted the blocks that hold
+    the prompt (no more) and every prompt token lands in its slot."""
+    c = consumers(spec=CacheSpec(num_blocks=16, block_size=block))
+    e = engines(_ktc(vh))
+    for rid, n in (("short", 20), ("long", 150)):
+        e.add(vh.make_request(rid, n, 1, {"kvxfer": {"consumer": c.address, "request_id": rid}}, seed=n))
+    e.run(timeout=20)
+    got = {a["req"]: a for a in (c.get(10), c.get(10))}
+    for rid, n in (("short", 20), ("long", 150)):
+        assert len(got[rid]["blocks"]) == -(-n // block)
+        assert vh.expected_tokens_ok(got[rid], e.prompts[rid], block) == n
+    e.assert_no_leaks()

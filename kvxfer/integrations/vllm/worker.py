@@ -449,15 +449,17 @@ class KVXferWorker:
             part = self._part()
             if part is None:  # a replica another rank ships
                 return self._end(sh, "done", None)
+            ids = self._kernel_ids(o.block_ids)
             if o.kind == "hold":
-                t = producer.hold(
-                    o.transfer_id, self._kernel_ids(o.block_ids), lease=remaining, meta=o.meta, digests=o.digests
-                )
+                t = producer.hold(o.transfer_id, ids, lease=remaining, meta=o.meta, digests=o.digests)
             else:
+                kernel = producer.layout.fingerprint.block_size
                 t = producer.push(
                     o.consumer,
                     o.transfer_id,
-                    self._kernel_ids(o.block_ids),
+                    ids,
+                    # a consumer paging differently is granted the blocks that hold the prompt, no more
+                    tokens=o.num_tokens if (len(ids) - 1) * kernel < o.num_tokens <= len(ids) * kernel else None,
                     meta=o.meta,
                     deadline=remaining,
                     digests=o.digests,
