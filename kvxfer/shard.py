@@ -60,6 +60,15 @@ def sources(dst_rank: int, dst_tp: int, src_tp: int, num_heads: int) -> list[tup
     return out
 
 
+def stripe(rank: int, tp: int, num_layers: int) -> tuple[int, ...]:
+    """The layers rank ``rank`` of ``tp`` ships of a cache every rank holds whole (an MLA latent cache, replicated
+    on every tensor-parallel rank): ``layer % tp == rank``, as TileRT stripes them, so every rank's link carries a
+    share and each layer ships once. Ranks past the layer count ship nothing (an empty tuple)."""
+    if not 0 <= rank < tp:
+        raise IncompatibleError(f"rank {rank} of tensor-parallel size {tp}")
+    return tuple(range(rank, num_layers, tp))
+
+
 def unsized(fp: Fingerprint, role: str, heads: Heads | None = None) -> list[tuple[str, int | None]]:
     """The order with the size of ``role`` masked (it is what differs between two sides), and with ``heads``
     the head count too, after checking that it holds them."""

@@ -124,16 +124,66 @@ def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
         KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
 
 
-def test_an_mla_model_under_tensor_parallelism_is_refused_with_the_reason(vh, monkeypatch):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch, tp):
+    """An MLA model keeps its whole latent cache on every TP rank: each rank ships the layers ``l % tp == rank``
+    as one part, so every layer crosses once and the consumer's blocks equal the (replicated) cache; with more
+    ranks than layers the extra ranks ship nothing and report done."""
+    vh.init_single_process_world(vh.make_vllm_config(None))
     from vllm.config import ModelConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
 
-    from kvxfer.integrations.vllm import KVXferConnector
+    from kvxfer import Consumer, KVLayout
+    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
 
-    vc = _rank_config(vh, 0)
     monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))  # the tiny model's config is Llama's
-    with pytest.raises(ValueError, match="MLA"):
-        KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+    blocks = 12
+    full_vc = vh.make_vllm_config(None)
+    full = allocate_kv_cache(_cache_config(vh, full_vc, vh.KV_HEADS, blocks), torch.device("cpu"), KVCacheLayout.LBHNC)
+    for t in full.values():
+        t.zero_()
+    consumer = Consumer(KVLayout.from_tensors(full), transport="tcp", deadline=10)
+    g = torch.Generator().manual_seed(7)
+    latent = {n: torch.randint(-3000, 3000, t.shape, generator=g, dtype=torch.int16) for n, t in full.items()}
+    workers = []
+    try:
+        for r in range(tp):
+            vc = _rank_config(vh, r)
+            vc.parallel_config.tensor_parallel_size = tp
+            kvc = _cache_config(vh, vc, vh.KV_HEADS, blocks)
+            kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC)
+            for n, t in kv.items():
+                t.view(torch.int16).copy_(latent[n])  # a replica: the same bytes on every rank
+            w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+            w.register_kv_caches(kv)
+            workers.append(w)
+        layers = len(full)
+        stripes = [w.connector_worker._part() for w in workers]
+        assert stripes == [
+            {"senders": min(tp, layers), "part": r, "layers": tuple(range(r, layers, tp))} if r < layers else None
+            for r in range(tp)
+        ]
+        src = [3, 7, 1]
+        order = ShipOrder(
+            "r1", "mla-req", consumer.address, src, 3 * full_vc.cache_config.block_size, 1, 10.0, False, {}
+        )
+        for w in workers:
+            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
+            w.wait_for_save()
+            w.clear_connector_metadata()
+        assert [_wait_ended(w, "r1") for w in workers] == [(1, "done", None)] * tp
+        a = consumer.get(10)
+        assert a.req == "mla-req"
+        for name, t in full.items():
+            assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), latent[name][src]), name
+        assert consumer.release("mla-req")
+    finally:
+        for w in workers:
+            w.shutdown()
+        consumer.close()
 
 
 def test_a_hold_claim_under_tensor_parallelism_is_answered_not_held_with_the_reason(vh):

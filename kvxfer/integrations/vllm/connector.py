@@ -71,11 +71,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 f"KVXferConnector: under tensor_parallel_size={tp} only kv_role 'kv_producer' is supported (each "
                 f"rank pushes its kv heads to a consumer holding them all); got {ktc.kv_role!r}"
             )
-        if tp > 1 and getattr(vllm_config.model_config, "use_mla", False):
-            raise ValueError(
-                f"KVXferConnector: an MLA model under tensor_parallel_size={tp} keeps one latent cache on every rank; "
-                "shipping it once, its layers striped across the ranks, is not wired yet"
-            )
+        mla = bool(getattr(vllm_config.model_config, "use_mla", False))  # one latent cache, whole on every rank
         shard = (_tp_rank(pc), tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
         self.settings = dataclasses.replace(self.settings, tensor_parallel=tp)  # a hold claim: not_held under TP > 1
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
@@ -92,7 +88,13 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_scheduler = KVXferScheduler(self.settings, self.block_size, produce=produce, fetch=fetch)
         else:
             self.connector_worker = KVXferWorker(
-                self.settings, kv_cache_config, produce=produce, fetch=fetch, block_size=self.block_size, shard=shard
+                self.settings,
+                kv_cache_config,
+                produce=produce,
+                fetch=fetch,
+                block_size=self.block_size,
+                shard=shard,
+                replicated=mla,
             )
 
     # ---- class-level hooks -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from ...consumer import Consumer
 from ...errors import CancelledError, ClosedError, DeadlineError, IncompatibleError, KVXferError, LeaseExpiredError
 from ...layout import KVLayout
 from ...producer import Producer
-from ...shard import heads_of, sources
+from ...shard import heads_of, sources, stripe
 from ...transfer import Transfer
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
 from .settings import Settings, log
@@ -134,9 +134,11 @@ class KVXferWorker:
         fetch: bool = False,
         block_size: int = 0,
         shard: tuple[int, int, int] | None = None,
+        replicated: bool = False,
     ):
         self.settings = settings
         self.shard = shard  # (tensor-parallel rank, size, the model's kv heads): this rank ships its heads
+        self.replicated = replicated  # every rank holds the whole cache (MLA): this rank ships its stripe of layers
         self.produce, self.fetch = produce, fetch
         self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
         self._kv_cache_config = kv_cache_config
@@ -172,7 +174,9 @@ class KVXferWorker:
             if key not in seen:
                 seen.add(key)
                 tensors[name] = t
-        layout = KVLayout.from_tensors(tensors, heads=None if self.shard is None else heads_of(*self.shard))
+        layout = KVLayout.from_tensors(
+            tensors, heads=None if self.shard is None or self.replicated else heads_of(*self.shard)
+        )
         sched_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         ratio = 1
         if sched_blocks and layout.num_blocks != sched_blocks:
@@ -478,11 +482,19 @@ class KVXferWorker:
 
     def _part(self) -> dict | None:
         """Push arguments of this rank's share of a request: ``{}`` unsharded; under tensor parallelism its heads
-        as one part of a multi-sender push to a consumer holding every head (``shard.sources``); None when every
-        head this rank holds is a replica another rank ships."""
+        as one part of a multi-sender push to a consumer holding every head (``shard.sources``), or for a cache
+        every rank holds whole (MLA) its stripe of the layers (``shard.stripe``); None when this rank has nothing
+        another rank does not ship."""
         if self.shard is None:
             return {}
         rank, tp, heads = self.shard
+        if self.replicated:
+            layout = self.layout
+            if layout is None:
+                raise ClosedError("no KV cache registered (sleeping or shut down)")
+            layers = layout.fingerprint.num_layers
+            mine = stripe(rank, tp, layers)
+            return {"senders": min(tp, layers), "part": rank, "layers": mine} if mine else None
         parts = sources(0, 1, tp, heads)
         i = next((i for i, (r, _) in enumerate(parts) if r == rank), None)
         return None if i is None else {"senders": len(parts), "part": i, "heads": parts[i][1]}
