@@ -476,14 +476,12 @@ class Consumer(HandleBase):
 
     def _part(self, s: _ConsumerSession, msg: wire.Admit) -> tuple[Selection | None, np.ndarray]:
         """What an admission carries of every block (its layers or heads) and the bytes of our blocks it fills."""
-        if msg.layers is not None and msg.heads is not None:
-            raise BlockError(f"request {msg.req!r}: a part carries layers or heads, not both")
-        if msg.layers is not None:
-            part = Selection(layers=tuple(sorted(int(x) for x in msg.layers)))
-        elif msg.heads is not None:
-            part = Selection(heads=(int(msg.heads[0]), int(msg.heads[1])))
-        else:
+        if msg.layers is None and msg.heads is None:
             return None, coverage(s.peer.layout, self.layout)
+        part = Selection(
+            layers=None if msg.layers is None else tuple(sorted(int(x) for x in msg.layers)),
+            heads=None if msg.heads is None else (int(msg.heads[0]), int(msg.heads[1])),
+        )
         try:
             s.link.paging(part)  # both sides hold what it names (a peer may claim heads it does not hold)
             return part, part.ranges(s.peer.layout, self.layout)

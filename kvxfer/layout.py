@@ -177,6 +177,7 @@ class KVLayout:
         fingerprint: wire.Fingerprint,
         owners: tuple = (),
         heads: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None = None,
     ):
         self.regions = list(regions)
         self.seg_region = _int64("segment regions", seg_region)
@@ -188,6 +189,7 @@ class KVLayout:
         self.fingerprint = fingerprint
         self._owners = owners
         self.heads = None if heads is None else (int(heads[0]), int(heads[1]))
+        self.layers = None if layers is None else (int(layers[0]), int(layers[1]))
         self._check()
 
     @property
@@ -246,6 +248,10 @@ class KVLayout:
             lo, hi = self.heads
             if not (0 <= lo < hi and len(held) == 1 and hi - lo == held[0]):
                 raise LayoutError(f"heads [{lo}, {hi}) do not match the {held} kv heads of order {fp.order!r}")
+        if self.layers is not None:
+            lo, hi = self.layers
+            if not (0 <= lo < hi and hi - lo == fp.num_layers):
+                raise LayoutError(f"layers [{lo}, {hi}) do not match the {fp.num_layers} layers of the cache")
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -258,13 +264,15 @@ class KVLayout:
         block_size: int | None = None,
         num_layers: int | None = None,
         heads: tuple[int, int] | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> KVLayout:
         """Describe a KV cache.
 
         ``heads``: the ``[start, stop)`` of the model's kv heads this cache holds, when it is one tensor-parallel
         rank's shard (``kvxfer.shard.heads_of``). Declared on both sides, it lets shards holding different heads
         pair over the heads they share (prefill TP into another decode TP); undeclared, a layout pairs only with
-        an equal one.
+        an equal one. ``layers``: likewise the ``[start, stop)`` of the model's layers this cache holds, when it
+        is one pipeline stage's (its tensors are those layers, in order).
 
         ``caches`` is one cross-layer tensor, a sequence of per-layer tensors, or a mapping layer name ->
         tensor; a layer may also be a (K, V) pair of tensors. Layers keep the given order on both sides.
@@ -278,12 +286,12 @@ class KVLayout:
         asking for ``dims``. ``num_layers`` defaults to the layers the tensors hold.
         """
         if isinstance(caches, Mapping):
-            layers = list(caches.values())
+            given = list(caches.values())
         elif isinstance(caches, (list, tuple)):
-            layers = list(caches)
+            given = list(caches)
         else:
-            layers = [caches]
-        per_layer = [[as_view(t) for t in (lay if isinstance(lay, (list, tuple)) else [lay])] for lay in layers]
+            given = [caches]
+        per_layer = [[as_view(t) for t in (lay if isinstance(lay, (list, tuple)) else [lay])] for lay in given]
         views = [v for lay in per_layer for v in lay]
         if not views:
             raise LayoutError("no tensors given")
@@ -359,7 +367,7 @@ class KVLayout:
             block_bytes=total,
             order=_text(_repeat("L", entries)),
         )
-        return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views), heads)
+        return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views), heads, layers)
 
     def desc(self) -> wire.LayoutDesc:
         """What a peer needs to address this layout (sent in the handshake)."""
@@ -372,6 +380,7 @@ class KVLayout:
             seg_bytes=self.seg_bytes.tolist(),
             fingerprint=self.fingerprint,
             heads=None if self.heads is None else list(self.heads),
+            layers=None if self.layers is None else list(self.layers),
         )
 
     @classmethod
@@ -381,8 +390,9 @@ class KVLayout:
             raise LayoutError("too many regions")
         regions = [Region(r.ptr, r.nbytes, r.device) for r in d.regions]
         heads = None if d.heads is None else (d.heads[0], d.heads[1])
+        layers = None if d.layers is None else (d.layers[0], d.layers[1])
         segs = (d.seg_region, d.seg_offset, d.seg_stride, d.seg_bytes)
-        return cls(regions, *segs, d.num_blocks, d.fingerprint, (), heads)
+        return cls(regions, *segs, d.num_blocks, d.fingerprint, (), heads, layers)
 
     def __repr__(self) -> str:
         fp = self.fingerprint

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import BlockError, IncompatibleError
+from .errors import BlockError
 from .layout import KVLayout
-from .plan import Extents, Pairing, Plan, dim_ranges, extents, make_plan, pair
-from .shard import Selection, held, link_pairing, sharded, sides, unsized
-from .wire import Fingerprint
+from .plan import Extents, Pairing, Plan, dim_ranges, extents, intersect, make_plan, pair
+from .shard import Selection, check_pair, link_pairing, sides
 
 
 @dataclass(frozen=True)
@@ -116,34 +115,6 @@ def _concat(xs: list[Extents]) -> Extents:
     return Extents(*(np.concatenate([getattr(x, f) for x in xs]) for f in ("region", "offset", "nbytes")))
 
 
-def check_tokens(a: Fingerprint, b: Fingerprint, a_heads=None, b_heads=None) -> None:
-    """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model paged with different tokens
-    per block, one a multiple of the other (and, given their heads, shards of it)."""
-    da, db = unsized(a, "N", a_heads), unsized(b, "N", b_heads)
-    if a_heads is not None and (("H", None) not in da or ("H", None) not in db):  # a one-head shard has no H dim
-        da, db = [d for d in da if d[0] != "H"], [d for d in db if d[0] != "H"]
-    big, small = max(a.block_size, b.block_size), min(a.block_size, b.block_size)
-    if da != db or ("N", None) not in da or (a.dtype, a.num_layers) != (b.dtype, b.num_layers) or big % small:
-        raise IncompatibleError(
-            f"blocks of {a.block_size} tokens ({a.dtype} {a.order!r}) do not map onto blocks of {b.block_size} "
-            f"tokens ({b.dtype} {b.order!r})"
-        )
-
-
-def _intersect(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The bytes in both sorted, disjoint range lists, as one such list (adjacent ranges merged)."""
-    pts = np.unique(np.concatenate([x.ravel(), y.ravel()]))
-    lo, hi = pts[:-1], pts[1:]
-    keep = np.ones(len(lo), dtype=bool)
-    for r in (x, y):
-        i = np.searchsorted(r[:, 0], lo, side="right") - 1
-        keep &= (i >= 0) & (lo < r[np.maximum(i, 0), 1])
-    lo, hi = lo[keep], hi[keep]
-    brk = np.ones(len(lo), dtype=bool)
-    brk[1:] = lo[1:] != hi[:-1]
-    return np.stack([lo[brk], hi[np.append(brk[1:], True)]], 1).astype(np.int64)
-
-
 def paging(a: KVLayout, b: KVLayout, part: Selection | None = None) -> Paging:
     """The paging of producer layout ``a`` into consumer layout ``b`` for ``part`` (None: a whole request,
     or for shards the heads both hold). Equal block sizes pair as the handshake always did."""
@@ -151,14 +122,13 @@ def paging(a: KVLayout, b: KVLayout, part: Selection | None = None) -> Paging:
     if fa.block_size == fb.block_size:
         p = link_pairing(a, b) if part is None else part.pairing(a, b)
         return Paging((p,), fa.block_size, fb.block_size)
-    shards = sharded(a, b) or (part is not None and part.heads is not None)
-    check_tokens(fa, fb, *((held(a), held(b)) if shards else ()))
+    check_pair(a, b, tokens=True)
     ra, rb = sides(a, b, part)
     g = min(fa.block_size, fb.block_size)
     big_is_a = fa.block_size > fb.block_size
     out = []
     for j in range(max(fa.block_size, fb.block_size) // g):
         cut = dim_ranges(fa if big_is_a else fb, "N", j * g, (j + 1) * g)
-        sa, sb = (_intersect(ra, cut), rb) if big_is_a else (ra, _intersect(rb, cut))
+        sa, sb = (intersect(ra, cut), rb) if big_is_a else (ra, intersect(rb, cut))
         out.append(pair(a, b, sa, sb))
     return Paging(tuple(out), fa.block_size, fb.block_size)

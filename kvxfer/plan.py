@@ -117,6 +117,20 @@ def pair(a: KVLayout, b: KVLayout, ranges=None, ranges_b=None) -> Pairing:
     return Pairing(sides[0], sides[1], sizes.astype(np.int64))
 
 
+def intersect(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The bytes in both sorted, disjoint range lists, as one such list (adjacent ranges merged)."""
+    pts = np.unique(np.concatenate([x.ravel(), y.ravel()]))
+    lo, hi = pts[:-1], pts[1:]
+    keep = np.ones(len(lo), dtype=bool)
+    for r in (x, y):
+        i = np.searchsorted(r[:, 0], lo, side="right") - 1
+        keep &= (i >= 0) & (lo < r[np.maximum(i, 0), 1])
+    lo, hi = lo[keep], hi[keep]
+    brk = np.ones(len(lo), dtype=bool)
+    brk[1:] = lo[1:] != hi[:-1]
+    return np.stack([lo[brk], hi[np.append(brk[1:], True)]], 1).astype(np.int64)
+
+
 def dim_ranges(fp: Fingerprint, role: str, start: int, stop: int) -> np.ndarray:
     """The block-stream byte ranges holding indices ``[start, stop)`` of the dimension ``role`` (``"H"``: kv
     heads, ``"L"``: layers, ...), read from the fingerprint's ``order``, the meaning both sides agreed on.

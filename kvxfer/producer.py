@@ -37,7 +37,7 @@ from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, ms
 from .plan import check_ids
-from .shard import Selection, held
+from .shard import Selection, held, held_layers
 from .sockets import close as close_socket
 from .transfer import Status, Transfer, _attempts
 from .transports.base import Peer, Transport
@@ -336,24 +336,22 @@ class Producer(HandleBase):
         """
         t = self._start("push", address, req, block_ids, deadline, tokens)
         t.meta = dict(meta or {})
-        if layers is not None and heads is not None:
-            raise BlockError("a part carries layers or heads, not both")
-        if senders == 1 and layers is not None and sorted(layers) != list(range(self.layout.fingerprint.num_layers)):
-            raise BlockError("a subset of layers is one part of a multi-sender push: give senders and part")
+        own = held_layers(self.layout)
         if digests and (senders > 1 or heads is not None):
             raise BlockError("per-block digests cover whole blocks: not for a part of a request")
+        hs = ls = None
         if heads is not None:  # alone, it must be every head the consumer holds: the consumer checks
             lo, hi = (int(x) for x in heads)
             mine = held(self.layout)
             if not mine[0] <= lo < hi <= mine[1]:
                 raise BlockError(f"heads [{lo}, {hi}) are not among the heads {list(mine)} this producer holds")
-            t.part_of = Selection(heads=(lo, hi))
-            t.nbytes = len(t.src_ids) * self.layout.block_bytes * (hi - lo) // (mine[1] - mine[0])
-        elif senders > 1:
-            n = self.layout.fingerprint.num_layers
-            ls = tuple(sorted(int(x) for x in (range(n) if layers is None else layers)))  # checked by the consumer
-            t.part_of = Selection(layers=ls)
-            t.nbytes = len(t.src_ids) * self.layout.fingerprint.layer_bytes * len(ls)
+            hs = (lo, hi)
+        if layers is not None or (senders > 1 and heads is None):
+            ls = tuple(sorted(int(x) for x in (range(*own) if layers is None else layers)))  # the consumer checks
+            if ls and not own[0] <= ls[0] <= ls[-1] < own[1]:
+                raise BlockError(f"layers {list(ls)} are not among the layers {list(own)} this producer holds")
+        if hs is not None or ls is not None:
+            t.part_of = Selection(layers=ls, heads=hs)
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.override = None if dst_block_ids is None else np.asarray(dst_block_ids, dtype=np.int64)
         t.retry_busy = retry_busy
@@ -602,9 +600,8 @@ class Producer(HandleBase):
             want = len(t.src_ids) if tokens is None else paging.dst_blocks(tokens)
             if len(t.dst_ids) != want:
                 raise BlockError(f"consumer granted {len(t.dst_ids)} blocks for {want}")
-            if tokens is not None:
-                t.chunks = paging.chunks(tokens)
-                t.nbytes = paging.nbytes(t.chunks)
+            t.chunks = None if tokens is None else paging.chunks(tokens)
+            t.nbytes = paging.nbytes(len(t.src_ids) if tokens is None else t.chunks)
         except KVXferError as e:
             return self._fail(s, t, e)
         t._mark(Status.MOVING, "admitted")

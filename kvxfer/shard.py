@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import IncompatibleError
 from .layout import KVLayout, check_compatible, order_dims
-from .plan import Pairing, dim_ranges, layer_ranges, pair
+from .plan import Pairing, dim_ranges, intersect, layer_ranges, pair
 from .wire import Fingerprint
 
 Heads = tuple[int, int]  # [start, stop) of the model's kv heads
@@ -69,29 +69,36 @@ def stripe(rank: int, tp: int, num_layers: int) -> tuple[int, ...]:
     return tuple(range(rank, num_layers, tp))
 
 
-def unsized(fp: Fingerprint, role: str, heads: Heads | None = None) -> list[tuple[str, int | None]]:
-    """The order with the size of ``role`` masked (it is what differs between two sides), and with ``heads``
-    the head count too, after checking that it holds them."""
+def unsized(fp: Fingerprint, roles: str, heads: Heads | None = None) -> list[tuple[str, int | None]]:
+    """The order with the sizes of ``roles`` masked (what differs between two sides), after checking, when
+    ``heads`` is given, that the order holds that many heads."""
     dims = order_dims(fp)
     if heads is not None:
         n = [k for r, k in dims if r == "H"] or [1]  # a one-head shard has no H dim: size-1 dims are dropped
         if len(n) != 1 or n[0] != heads[1] - heads[0] or heads[0] < 0:
             raise IncompatibleError(f"order {fp.order!r} does not hold the {heads[1] - heads[0]} heads {list(heads)}")
-    return [(r, None if r == role or (heads is not None and r == "H") else k) for r, k in dims]
+    return [(r, None if r in roles else k) for r, k in dims]
 
 
-def _dims(fp: Fingerprint, held: Heads) -> list[tuple[str, int | None]]:
-    """The order with the head count masked, after checking that it holds ``held``."""
-    return unsized(fp, "H", held)
+def same_cache(a: Fingerprint, b: Fingerprint, roles: str, a_heads: Heads | None = None, b_heads: Heads | None = None):
+    """Whether ``a`` and ``b`` are caches of one model that may differ only in the sizes of ``roles`` (``H``:
+    the heads a shard holds, each as many as it says; ``L``: the layers a stage holds; ``N``: tokens per
+    block, one a multiple of the other)."""
+    da, db = unsized(a, roles, a_heads), unsized(b, roles, b_heads)
+    for r in roles:  # a dim of size 1 is dropped from the order: where one head or layer sits changes no byte
+        if (r, None) not in da or (r, None) not in db:
+            da, db = [d for d in da if d[0] != r], [d for d in db if d[0] != r]
+    if da != db or a.dtype != b.dtype:
+        return False
+    if "N" in roles and max(a.block_size, b.block_size) % min(a.block_size, b.block_size):
+        return False
+    return ("N" in roles or a.block_size == b.block_size) and ("L" in roles or a.num_layers == b.num_layers)
 
 
 def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads) -> None:
     """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model that differ only in which
     heads they hold (and each holds as many heads as it says)."""
-    da, db = _dims(a, a_heads), _dims(b, b_heads)
-    if ("H", None) not in da or ("H", None) not in db:  # where one head sits does not change its bytes
-        da, db = [d for d in da if d[0] != "H"], [d for d in db if d[0] != "H"]
-    if da != db or (a.dtype, a.block_size, a.num_layers) != (b.dtype, b.block_size, b.num_layers):
+    if not same_cache(a, b, "H", a_heads, b_heads):
         raise IncompatibleError(
             f"shards of different caches: {a.dtype} {a.order!r} ({a.num_layers} layers, block_size "
             f"{a.block_size}) vs {b.dtype} {b.order!r} ({b.num_layers} layers, block_size {b.block_size})"
@@ -126,69 +133,103 @@ def held(layout: KVLayout) -> Heads:
     return 0, n[0]
 
 
+def held_layers(layout: KVLayout) -> tuple[int, int]:
+    """The model's layers ``layout`` holds: as it declared them (a pipeline stage), else ``[0, its layers)``."""
+    return layout.layers if layout.layers is not None else (0, layout.fingerprint.num_layers)
+
+
 def sharded(a: KVLayout, b: KVLayout) -> bool:
     """Whether ``a`` and ``b`` hold different heads of one cache: at least one declared its heads (a layout that
     does not say holds every head of the model, ``[0, its H size)``), and they differ."""
     return (a.heads is not None or b.heads is not None) and held(a) != held(b)
 
 
+def staged(a: KVLayout, b: KVLayout) -> bool:
+    """Whether ``a`` and ``b`` hold different layers of one model (pipeline stages), as for ``sharded``."""
+    return (a.layers is not None or b.layers is not None) and held_layers(a) != held_layers(b)
+
+
+def check_pair(a: KVLayout, b: KVLayout, tokens: bool = False) -> None:
+    """Raise ``IncompatibleError`` unless producer layout ``a`` pairs with consumer layout ``b``: equal
+    fingerprints, or caches of one model holding other heads or layers (and with ``tokens``, paging with
+    other tokens per block)."""
+    roles = ("H" if sharded(a, b) else "") + ("L" if staged(a, b) else "") + ("N" if tokens else "")
+    if not roles:
+        check_compatible(a.fingerprint, b.fingerprint)
+        return
+    fa, fb = a.fingerprint, b.fingerprint
+    hs = (held(a), held(b)) if "H" in roles else (None, None)
+    if same_cache(fa, fb, roles, *hs):
+        return
+    if tokens:
+        raise IncompatibleError(
+            f"blocks of {fa.block_size} tokens ({fa.dtype} {fa.order!r}) do not map onto blocks of "
+            f"{fb.block_size} tokens ({fb.dtype} {fb.order!r})"
+        )
+    raise IncompatibleError(
+        f"shards of different caches: {fa.dtype} {fa.order!r} ({fa.num_layers} layers, block_size {fa.block_size}) "
+        f"vs {fb.dtype} {fb.order!r} ({fb.num_layers} layers, block_size {fb.block_size})"
+    )
+
+
+def _shared(what: str, lo: int, hi: int, a: tuple[int, int], b: tuple[int, int]) -> None:
+    if not (a[0] <= lo < hi <= a[1] and b[0] <= lo < hi <= b[1]):
+        raise IncompatibleError(f"{what} [{lo}, {hi}) are not held by both {list(a)} and {list(b)}")
+
+
+def sides(a: KVLayout, b: KVLayout, part: Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of a block of ``a`` and of a block of ``b`` that ``part`` moves (None: a whole request: for
+    shards or stages, the heads and layers both hold), whatever their tokens per block. Heads and layers
+    compose: a part of a tensor- and pipeline-parallel prefill carries its heads of its layers."""
+    ra = np.array([[0, a.block_bytes]], dtype=np.int64)
+    rb = np.array([[0, b.block_bytes]], dtype=np.int64)
+    if (part is not None and part.heads is not None) or sharded(a, b):
+        (a0, a1), (b0, b1) = held(a), held(b)
+        lo, hi = part.heads if part is not None and part.heads is not None else (max(a0, b0), min(a1, b1))
+        _shared("heads", lo, hi, (a0, a1), (b0, b1))
+        ra = intersect(ra, np.asarray(_head_bytes(a, (a0, a1), lo, hi), dtype=np.int64))
+        rb = intersect(rb, np.asarray(_head_bytes(b, (b0, b1), lo, hi), dtype=np.int64))
+    if (part is not None and part.layers is not None) or staged(a, b):
+        (a0, a1), (b0, b1) = held_layers(a), held_layers(b)
+        ls = np.asarray(
+            part.layers if part is not None and part.layers is not None else range(max(a0, b0), min(a1, b1))
+        )
+        if not len(ls) or ls.min() < max(a0, b0) or ls.max() >= min(a1, b1):
+            raise IncompatibleError(f"layers {ls.tolist()} are not held by both {[a0, a1]} and {[b0, b1]}")
+        ra = intersect(ra, layer_ranges(a, ls - a0))
+        rb = intersect(rb, layer_ranges(b, ls - b0))
+    return ra, rb
+
+
 def link_pairing(a: KVLayout, b: KVLayout) -> Pairing:
     """The pairing of a producer's layout ``a`` with a consumer's ``b`` (the handshake's): equal layouts pair
-    whole; shards of one cache pair over the heads they share, and sharing none is ``IncompatibleError``."""
-    if not sharded(a, b):
-        check_compatible(a.fingerprint, b.fingerprint)
+    whole; shards or stages of one model pair over the heads and layers they share, and sharing none is
+    ``IncompatibleError``."""
+    check_pair(a, b)
+    if not (sharded(a, b) or staged(a, b)):
         return pair(a, b)
-    return shard_pairing(a, held(a), b, held(b))
+    return pair(a, b, *sides(a, b))
 
 
 @dataclass(frozen=True)
 class Selection:
-    """What one part of a multi-sender request carries of every block: some layers (a pipeline stage, or a
-    layer split), or some kv heads (a tensor-parallel rank's, ``[start, stop)`` of the model's heads)."""
+    """What one part of a multi-sender request carries of every block: some layers (a pipeline stage, a layer
+    split, an MLA stripe), some kv heads (a tensor-parallel rank's, ``[start, stop)`` of the model's heads),
+    or both; layers are the model's, whatever a stage holds."""
 
     layers: tuple[int, ...] | None = None
     heads: Heads | None = None
 
     def pairing(self, a: KVLayout, b: KVLayout) -> Pairing:
         """The pairing moving this selection from producer layout ``a`` into consumer layout ``b``."""
-        if self.heads is not None:
-            return shard_pairing(a, held(a), b, held(b), self.heads)
-        if sharded(a, b):
-            raise IncompatibleError("a layer part needs both sides to hold the same heads")
-        return pair(a, b, layer_ranges(a, self.layers or ()))
+        return pair(a, b, *sides(a, b, self))
 
     def ranges(self, a: KVLayout, b: KVLayout) -> np.ndarray:
         """The bytes of every block of consumer layout ``b`` this selection fills (sorted ``[start, stop)``)."""
-        if self.heads is not None:
-            return np.asarray(_head_bytes(b, held(b), *self.heads), dtype=np.int64)
-        return layer_ranges(b, self.layers or ())
+        return sides(a, b, self)[1]
 
 
 def coverage(a: KVLayout, b: KVLayout) -> np.ndarray:
     """The bytes of every block of consumer layout ``b`` that a whole push from ``a`` fills: all of them, or for
-    a shard the heads both hold."""
-    if not sharded(a, b):
-        return np.array([[0, b.block_bytes]], dtype=np.int64)
-    (a0, a1), (b0, b1) = held(a), held(b)
-    return np.asarray(_head_bytes(b, (b0, b1), max(a0, b0), min(a1, b1)), dtype=np.int64)
-
-
-def sides(a: KVLayout, b: KVLayout, part: Selection | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The bytes of a block of ``a`` and of a block of ``b`` that ``part`` moves (None: a whole request, for
-    shards the heads both hold), whatever their tokens per block."""
-    if part is not None and part.heads is not None:
-        lo, hi = part.heads
-    elif part is not None:
-        if sharded(a, b):
-            raise IncompatibleError("a layer part needs both sides to hold the same heads")
-        return layer_ranges(a, part.layers or ()), layer_ranges(b, part.layers or ())
-    elif not sharded(a, b):
-        return np.array([[0, a.block_bytes]], dtype=np.int64), np.array([[0, b.block_bytes]], dtype=np.int64)
-    else:
-        lo, hi = max(held(a)[0], held(b)[0]), min(held(a)[1], held(b)[1])
-    (a0, a1), (b0, b1) = held(a), held(b)
-    if not (a0 <= lo < hi <= a1 and b0 <= lo < hi <= b1):
-        raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {[a0, a1]} and {[b0, b1]}")
-    return np.asarray(_head_bytes(a, held(a), lo, hi), dtype=np.int64), np.asarray(
-        _head_bytes(b, held(b), lo, hi), dtype=np.int64
-    )
+    a shard or stage those of the heads and layers both hold."""
+    return sides(a, b)[1]

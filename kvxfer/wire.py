@@ -116,6 +116,8 @@ class LayoutDesc(_StrictFrozen, frozen=True):
     fingerprint: Fingerprint
     heads: Annotated[list[U32], msgspec.Meta(min_length=2, max_length=2)] | None = None  # [start, stop) of the
     # model's kv heads this cache holds (a tensor-parallel rank's shard); None: it does not say (all it holds)
+    layers: Annotated[list[U32], msgspec.Meta(min_length=2, max_length=2)] | None = None  # likewise the model's
+    # layers it holds (a pipeline stage's)
 
 
 class _Msg(_Strict, tag_field="t", kw_only=True):

@@ -207,7 +207,8 @@ def test_hostile_admissions_between_shards_are_refused_and_leak_nothing(transpor
             {"heads": [4, 8], "senders": 2},  # not held by the sender
             {"heads": [3, 2], "senders": 2},
             {"heads": [0, 9], "senders": 2},
-            {"heads": [0, 1], "layers": [0], "senders": 2},
+            {"heads": [0, 1], "layers": [0, 5], "senders": 2},  # heads of layers the model does not have
+            {"heads": [0, 1], "layers": [0, 0], "senders": 2},  # a layer twice
             {"heads": [0, 4]},  # alone, half the consumer's heads
             {},  # alone, a whole push of a sender holding half
         ]

@@ -21,15 +21,16 @@ def _rank_config(vh, tp_rank: int, **extra):
     return vc
 
 
-def _cache_config(vh, vc, heads: int, num_blocks: int):
+def _cache_config(vh, vc, heads: int, num_blocks: int, layers=None):
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
+    names = list(vh.LAYERS if layers is None else layers)
     spec = FullAttentionSpec(
         block_size=vc.cache_config.block_size, num_kv_heads=heads, head_size=vh.HEAD, dtype=vh.DTYPE
     )
-    groups = [KVCacheGroupSpec(list(vh.LAYERS), spec)]
-    return get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(vh.LAYERS) * num_blocks)
+    groups = [KVCacheGroupSpec(names, spec)]
+    return get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(names) * num_blocks)
 
 
 def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
@@ -94,6 +95,65 @@ def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
         consumer.close()
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2-pp2"])
+def test_pipeline_stages_push_their_layers_into_one_consumer(vh, tp, pp):
+    """Each worker holds its stage's layers (and under TP its half of the heads): vLLM registers only those, and
+    the connector reads which layers they are off the names. Every rank pushes its share as one part; the
+    consumer's blocks equal the ranks' caches put together."""
+    vh.init_single_process_world(vh.make_vllm_config(None))
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvxfer import Consumer, KVLayout
+    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
+
+    blocks, per_stage = 12, len(vh.LAYERS) // pp
+    full_vc = vh.make_vllm_config(None)
+    full = allocate_kv_cache(_cache_config(vh, full_vc, vh.KV_HEADS, blocks), torch.device("cpu"), KVCacheLayout.LBHNC)
+    for t in full.values():
+        t.zero_()
+    consumer = Consumer(KVLayout.from_tensors(full), transport="tcp", deadline=10)
+    workers, caches = [], {}
+    try:
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                vc = _rank_config(vh, pp_rank * tp + tp_rank)
+                vc.parallel_config.tensor_parallel_size, vc.parallel_config.pipeline_parallel_size = tp, pp
+                names = vh.LAYERS[pp_rank * per_stage : (pp_rank + 1) * per_stage]
+                kvc = _cache_config(vh, vc, vh.KV_HEADS // tp, blocks, names)
+                kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC)
+                g = torch.Generator().manual_seed(10 * pp_rank + tp_rank)
+                for t in kv.values():
+                    t.view(torch.int16).copy_(torch.randint(-3000, 3000, t.shape, generator=g, dtype=torch.int16))
+                caches[(pp_rank, tp_rank)] = kv
+                w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+                w.register_kv_caches(kv)
+                workers.append(w)
+        src = [3, 7, 1]
+        order = ShipOrder(
+            "r1", "pp-req", consumer.address, src, 3 * full_vc.cache_config.block_size, 1, 10.0, False, {}
+        )
+        for w in workers:
+            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
+            w.wait_for_save()
+            w.clear_connector_metadata()
+        assert [_wait_ended(w, "r1") for w in workers] == [(1, "done", None)] * (tp * pp)
+        a = consumer.get(10)
+        assert a.req == "pp-req"
+        for li, name in enumerate(vh.LAYERS):
+            stage = li // per_stage
+            want = torch.cat([caches[(stage, r)][name][src] for r in range(tp)], dim=1)
+            got = full[name][torch.as_tensor(a.block_ids)]
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+        assert consumer.release("pp-req")
+    finally:
+        for w in workers:
+            w.shutdown()
+        consumer.close()
+
+
 def _wait_ended(w, rid: str, timeout: float = 15.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -109,7 +169,7 @@ def _wait_ended(w, rid: str, timeout: float = 15.0):
     [
         ("kv_consumer", 2, 1, "only kv_role 'kv_producer'"),
         ("kv_both", 2, 1, "only kv_role"),
-        ("kv_producer", 1, 2, "pipeline"),
+        ("kv_consumer", 1, 2, "only kv_role"),
     ],
 )
 def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
@@ -197,6 +257,6 @@ def test_a_hold_claim_under_tensor_parallelism_is_answered_not_held_with_the_rea
     vc = _rank_config(vh, 0, listen=f"127.0.0.1:{vh.free_port()}")
     c = KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
     hold = parse_claim({"kvxfer": {}}, "r", c.settings)
-    assert hold is not None and hold.kind == HOLD and "tensor parallelism" in (hold.error or "")
+    assert hold is not None and hold.kind == HOLD and "tensor or pipeline parallelism" in (hold.error or "")
     push = parse_claim({"kvxfer": {"consumer": "127.0.0.1:9"}}, "r", c.settings)
     assert push is not None and push.kind == PUSH and not push.error

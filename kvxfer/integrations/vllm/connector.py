@@ -34,17 +34,20 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _tp_rank(pc) -> int:
-    """This worker's tensor-parallel rank: from vLLM's TP group where one of this size is initialised (in a worker
-    process), else from the worker's global rank in the parallel config."""
+def _ranks(pc) -> tuple[int, int]:
+    """This worker's (tensor-parallel, pipeline-parallel) ranks: from vLLM's groups where ones of these sizes are
+    initialised (in a worker process), else from the worker's global rank in the parallel config (vLLM numbers
+    ranks TP-fastest: ``rank = pp_rank * tp + tp_rank``)."""
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        if get_tp_group().world_size == pc.tensor_parallel_size:
-            return int(get_tensor_model_parallel_rank())
+        t, p = get_tp_group(), get_pp_group()
+        if t.world_size == tp and p.world_size == pp:
+            return int(t.rank_in_group), int(p.rank_in_group)
     except (AssertionError, ImportError, AttributeError):
         pass
-    return int(pc.rank) % int(pc.tensor_parallel_size)
+    return int(pc.rank) % tp, int(pc.rank) // tp % pp
 
 
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -60,20 +63,23 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         produce, fetch = ktc.kv_role != "kv_consumer", ktc.kv_role != "kv_producer"
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
-        if pc.pipeline_parallel_size != 1:
+        tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        if tp * pp > 1 and fetch:
             raise ValueError(
-                f"KVXferConnector: pipeline_parallel_size must be 1 (got {pc.pipeline_parallel_size}): each stage "
-                "holds some layers, and shipping them as parts is not wired yet"
-            )
-        tp = pc.tensor_parallel_size
-        if tp > 1 and fetch:
-            raise ValueError(
-                f"KVXferConnector: under tensor_parallel_size={tp} only kv_role 'kv_producer' is supported (each "
-                f"rank pushes its kv heads to a consumer holding them all); got {ktc.kv_role!r}"
+                f"KVXferConnector: under tensor_parallel_size={tp}, pipeline_parallel_size={pp} only kv_role "
+                "'kv_producer' is supported (each rank pushes its kv heads of its layers to a consumer holding them "
+                f"all); got {ktc.kv_role!r}"
             )
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))  # one latent cache, whole on every rank
-        shard = (_tp_rank(pc), tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
-        self.settings = dataclasses.replace(self.settings, tensor_parallel=tp)  # a hold claim: not_held under TP > 1
+        if mla and tp > 1 and pp > 1:
+            raise ValueError(
+                "KVXferConnector: an MLA model under both tensor and pipeline parallelism is not supported yet "
+                "(each stage's latent layers would be striped across its ranks)"
+            )
+        tp_rank, pp_rank = _ranks(pc)
+        shard = (tp_rank, tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
+        stage = (pp_rank, pp) if pp > 1 else None
+        self.settings = dataclasses.replace(self.settings, parallel_ranks=tp * pp)  # holds: not_held under TP/PP
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
             raise ValueError(
@@ -95,6 +101,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=self.block_size,
                 shard=shard,
                 replicated=mla,
+                stage=stage,
             )
 
     # ---- class-level hooks -------------------------------------------------------------------------------

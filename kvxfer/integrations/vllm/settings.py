@@ -36,7 +36,7 @@ class Settings:
     listen: str = ""  # prefill: "host:port" the worker's Producer listens on for fetches (needed for holds)
     lease: float = 30.0  # prefill: seconds a held prompt waits to be fetched
     consumer_listen: str = "127.0.0.1:0"  # decode: the fetching Consumer's listen address
-    tensor_parallel: int = 1  # not a config key: the connector sets it from vLLM's parallel config
+    parallel_ranks: int = 1  # not a config key: worker ranks per instance (TP x PP), from vLLM's parallel config
 
     KEYS = (
         "transport",
@@ -204,8 +204,10 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
             claim.kind = HOLD
             if not settings.listen:
                 raise ValueError('no "consumer" named (a hold), but this instance has no "listen" address configured')
-            if settings.tensor_parallel > 1:
-                raise ValueError('no "consumer" named (a hold): holds under tensor parallelism are not wired yet')
+            if settings.parallel_ranks > 1:
+                raise ValueError(
+                    'no "consumer" named (a hold): holds under tensor or pipeline parallelism are not wired yet'
+                )
         else:
             if not isinstance(consumer, str) or not consumer:
                 raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) must be a non-empty string')

@@ -135,10 +135,12 @@ class KVXferWorker:
         block_size: int = 0,
         shard: tuple[int, int, int] | None = None,
         replicated: bool = False,
+        stage: tuple[int, int] | None = None,
     ):
         self.settings = settings
         self.shard = shard  # (tensor-parallel rank, size, the model's kv heads): this rank ships its heads
         self.replicated = replicated  # every rank holds the whole cache (MLA): this rank ships its stripe of layers
+        self.stage = stage  # (pipeline-parallel rank, size): this rank's cache holds its stage's layers only
         self.produce, self.fetch = produce, fetch
         self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
         self._kv_cache_config = kv_cache_config
@@ -174,8 +176,21 @@ class KVXferWorker:
             if key not in seen:
                 seen.add(key)
                 tensors[name] = t
+        layers = None
+        if self.stage is not None:  # which of the model's layers this stage holds: read off vLLM's layer names
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            index = {name: extract_layer_index(name) for name in tensors}
+            tensors = dict(sorted(tensors.items(), key=lambda kv: index[kv[0]]))
+            lo, hi = min(index.values()), max(index.values()) + 1
+            if hi - lo != len(tensors):
+                raise ValueError(
+                    f"kvxfer: pipeline stage {self.stage[0]} holds KV for layers {sorted(index.values())}, not one "
+                    "per layer of a contiguous range: not supported"
+                )
+            layers = (lo, hi)
         layout = KVLayout.from_tensors(
-            tensors, heads=None if self.shard is None or self.replicated else heads_of(*self.shard)
+            tensors, heads=None if self.shard is None or self.replicated else heads_of(*self.shard), layers=layers
         )
         sched_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         ratio = 1
@@ -483,8 +498,20 @@ class KVXferWorker:
     def _part(self) -> dict | None:
         """Push arguments of this rank's share of a request: ``{}`` unsharded; under tensor parallelism its heads
         as one part of a multi-sender push to a consumer holding every head (``shard.sources``), or for a cache
-        every rank holds whole (MLA) its stripe of the layers (``shard.stripe``); None when this rank has nothing
+        every rank holds whole (MLA) its stripe of the layers (``shard.stripe``); under pipeline parallelism its
+        stage's layers (of those heads), one part per stage and head share; None when this rank has nothing
         another rank does not ship."""
+        part = self._tp_part()
+        if self.stage is None or part is None:
+            return part
+        layout = self.layout
+        if layout is None:
+            raise ClosedError("no KV cache registered (sleeping or shut down)")
+        pp_rank, pp = self.stage
+        senders, i = part.get("senders", 1), part.get("part", 0)
+        return {**part, "senders": pp * senders, "part": pp_rank * senders + i, "layers": range(*layout.layers)}
+
+    def _tp_part(self) -> dict | None:
         if self.shard is None:
             return {}
         rank, tp, heads = self.shard
