@@ -1,13 +1,14 @@
 """Tensor-parallel prefill into a tensor-parallel decode: aggregate GB/s of head-sharded multi-sender pushes.
 
-    python bench/tp_shards.py [--transport tcp,nixl] [--prefill-tp 8] [--decode-tp 4] [--consumers 2]
-                              [--tokens 4096] [--repeats 3]
+    python bench/tp_shards.py [--transport tcp,nixl] [--prefill-tp 8] [--decode-tp 4] [--against 8]
+                              [--consumers 2] [--tokens 4096] [--repeats 3]
 
 The default shape is Llama-3-70B's KV cache (80 layers, 8 kv heads of 128, bf16, 16 tokens per block): each of
 ``prefill-tp`` producer processes holds its ranks' heads (one each at TP-8: 8 KiB per layer-block), and
 ``consumers`` of the ``decode-tp`` decode ranks (in this process; as many as the machine holds) each gather their
 heads from the prefill ranks ``shard.sources`` names, all parts of all consumers at once. Every byte is checked
-after the last repeat. GB/s counts the bytes that land in the consumers' blocks.
+after the last repeat. GB/s counts the bytes that land in the consumers' blocks. ``--against`` runs the same
+with another decode TP in the same run (default: the prefill's, the homogeneous case) and prints the ratio.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _producer(conn, transport: str, rank: int, tp: int, blocks: int) -> None:
     producer.close()
 
 
-def run(transport: str, args) -> list[float]:
+def run(transport: str, args, decode_tp: int) -> list[float]:
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for r in range(args.prefill_tp):
@@ -70,8 +71,8 @@ def run(transport: str, args) -> list[float]:
     for a in pipes:
         assert a.recv() == "ready"
     decode = []
-    for c in range(args.consumers):
-        held = heads_of(c, args.decode_tp, HEADS)
+    for c in range(min(args.consumers, decode_tp)):
+        held = heads_of(c, decode_tp, HEADS)
         tensors = _cache(held, args.blocks, fill=False)
         decode.append((Consumer(_layout(tensors, held), transport=transport, deadline=120), tensors, held))
     rates = []
@@ -79,7 +80,7 @@ def run(transport: str, args) -> list[float]:
         for rep in range(args.repeats + 1):
             work: list[list] = [[] for _ in range(args.prefill_tp)]
             for c, (consumer, _, _) in enumerate(decode):
-                parts = sources(c, args.decode_tp, args.prefill_tp, HEADS)
+                parts = sources(c, decode_tp, args.prefill_tp, HEADS)
                 for i, (r, hs) in enumerate(parts):
                     work[r].append((consumer.address, f"req-{rep}-{c}", len(parts), i, hs))
             start = time.perf_counter()
@@ -113,6 +114,7 @@ def main() -> None:
     ap.add_argument("--transport", default="tcp,nixl")
     ap.add_argument("--prefill-tp", type=int, default=8)
     ap.add_argument("--decode-tp", type=int, default=4)
+    ap.add_argument("--against", type=int, default=None, help="decode TP to compare with (default: prefill TP)")
     ap.add_argument("--consumers", type=int, default=2, help="decode ranks to run (at most --decode-tp)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=3)
@@ -124,12 +126,18 @@ def main() -> None:
         f"Llama-3-70B KV, {args.tokens} tokens: prefill TP-{args.prefill_tp} ({args.prefill_tp} processes) into "
         f"{args.consumers} of {args.decode_tp} decode ranks, {per:.0f} MiB per decode rank"
     )
+    against = args.prefill_tp if args.against is None else args.against
     for transport in args.transport.split(","):
-        rates = run(transport, args)
-        print(
-            f"{transport:5s} median {statistics.median(rates):.2f} GB/s  (each of {len(rates)}: "
-            f"{', '.join(f'{r:.2f}' for r in rates)}), every byte checked"
-        )
+        medians = []
+        for d in dict.fromkeys([args.decode_tp, against]):
+            rates = run(transport, args, d)
+            medians.append(statistics.median(rates))
+            print(
+                f"{transport:5s} TP-{args.prefill_tp} -> TP-{d}: median {medians[-1]:.2f} GB/s  (each of "
+                f"{len(rates)}: {', '.join(f'{r:.2f}' for r in rates)}), every byte checked"
+            )
+        if len(medians) == 2:
+            print(f"{transport:5s} TP-{args.decode_tp} / TP-{against}: {medians[0] / medians[1]:.2f}x")
 
 
 if __name__ == "__main__":

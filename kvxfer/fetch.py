@@ -28,7 +28,7 @@ from .errors import (
     PeerError,
     from_code,
 )
-from .lifecycle import deadline_in
+from .lifecycle import deadline_in, gate
 from .plan import check_ids
 from .transfer import Status, Transfer
 
@@ -132,8 +132,8 @@ class Fetches:
             s = self.sessions.get(address)
             if s is not None and s.alive:
                 return s
-            gate = self._connecting.setdefault(address, threading.Lock())
-        with gate:
+            lock = self._connecting.setdefault(address, threading.Lock())
+        with gate(lock, deadline, f"no session to producer {address}"):
             with self.lock:
                 s = self.sessions.get(address)
                 if s is not None and s.alive:

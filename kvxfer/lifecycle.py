@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -11,7 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from . import transports
-from .errors import ClosedError, KVXferError, TransportError
+from .errors import ClosedError, DeadlineError, KVXferError, TransportError
 from .layout import KVLayout
 from .transports.base import Transport
 
@@ -28,6 +29,18 @@ def deadline_in(seconds: float) -> float:
 def ms(seconds: float) -> int:
     """Seconds as the wire's milliseconds, at least 1."""
     return max(1, int(seconds * 1000))
+
+
+@contextlib.contextmanager
+def gate(lock: threading.Lock, deadline: float, what: str):
+    """Hold ``lock`` (one handshake to a peer at a time), waiting no later than ``deadline``: a transfer queued
+    behind another's handshake still ends at its own deadline (``DeadlineError``)."""
+    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise DeadlineError(f"{what}: the deadline passed while another handshake to that peer was running")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _open_transports(names: list[str], layout: KVLayout, host, options: dict) -> dict[str, Transport]:

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .layout import KVLayout
 from .ledger import Lease, Leases
-from .lifecycle import HandleBase, deadline_in, ms
+from .lifecycle import HandleBase, deadline_in, gate, ms
 from .plan import check_ids
 from .shard import Selection, held, held_layers
 from .sockets import close as close_socket
@@ -144,8 +144,8 @@ class Producer(HandleBase):
             s = self._sessions.get(address)
             if s is not None and s.alive:
                 return s
-            gate = self._connecting.setdefault(address, threading.Lock())
-        with gate:
+            lock = self._connecting.setdefault(address, threading.Lock())
+        with gate(lock, deadline, f"no session to {address}"):
             with self._lock:
                 s = self._sessions.get(address)
                 if s is not None and s.alive:

@@ -199,3 +199,26 @@ def test_close_ends_everything(consumers, transport):
     assert t.done()
     wait_for(lambda: _settled(consumer, 256), 10)
     assert consumer.arrivals.empty()
+
+
+def test_a_transfer_queued_behind_a_hung_handshake_ends_at_its_own_deadline(transport):
+    """A consumer that accepts and never answers: the first push waits out its long handshake timeout, and a
+    second push to it, with a short deadline, waiting for that handshake, ends at its own deadline anyway."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    producer, _ = _local_producer(Spec(num_blocks=8), transport, connect_timeout=5.0)
+    try:
+        slow = producer.push(address, "first", [0], deadline=4.0)
+        time.sleep(0.2)  # the first push is handshaking
+        start = time.monotonic()
+        quick = producer.push(address, "second", [1], deadline=0.5)
+        with pytest.raises(DeadlineError):
+            quick.wait(3.0)
+        assert time.monotonic() - start < 1.5, "the queued push waited for the other's handshake"
+        with pytest.raises(DeadlineError):
+            slow.wait(6.0)
+    finally:
+        producer.close()
+        silent.close()

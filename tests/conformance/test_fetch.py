@@ -260,3 +260,23 @@ def test_a_declined_hold_ends_at_once(consumers, producers):
     ended = wait_for(lambda: (e := p.ended("unneeded"))["done"] and e, 5)
     assert ended["error"] == CancelledError.__name__ and time.monotonic() - start < 5
     assert isinstance(c.fetch(p.address, "unneeded", [1, 2]).exception(10), StaleError)
+
+
+def test_a_fetch_queued_behind_a_hung_handshake_ends_at_its_own_deadline(consumers):
+    """A "producer" that accepts and never speaks: a fetch with a long deadline waits in the handshake, and a
+    second fetch from it, with a short deadline, ends at its own deadline, not when the first gives up."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    c = _fetcher(consumers, Spec())
+    try:
+        slow = c.fetch(address, "first", [1], deadline=4.0)
+        time.sleep(0.2)
+        start = time.monotonic()
+        quick = c.fetch(address, "second", [2], deadline=0.5)
+        assert isinstance(quick.exception(3.0), DeadlineError)
+        assert time.monotonic() - start < 1.5, "the queued fetch waited for the other's handshake"
+        assert isinstance(slow.exception(6.0), (DeadlineError, PeerError))
+    finally:
+        silent.close()
