@@ -51,6 +51,12 @@ def serve(conn, ready, commands: dict) -> None:
             conn.send(("err", type(e).__name__, f"{e}\n{traceback.format_exc()}"))
 
 
+def outcome(t, timeout: float = 15) -> dict:
+    """How a child reports a transfer once it ended: its status and its error's type name."""
+    t.wait_ended(timeout)
+    return {"status": t.status.value, "error": type(t.error).__name__ if t.error else None}
+
+
 class RemoteError(Exception):
     """An exception raised in the child, typed by name in ``kind``."""
 

@@ -72,7 +72,7 @@ def src_ids(tokens: int, bs: int) -> np.ndarray:
 
 def _prefill_main(conn, transport: str) -> None:
     """A prefill process: ``setup`` pages the reference into its own cache; ``push``/``offer``/``hold`` move it."""
-    from procs import serve
+    from procs import outcome, serve
 
     state: dict = {}
 
@@ -87,25 +87,21 @@ def _prefill_main(conn, transport: str) -> None:
         state["ids"], state["tokens"] = ids, tokens
         return ids.tolist()
 
-    def _wait(t) -> dict:
-        t.wait_ended(15)
-        return {"status": t.status.value, "error": type(t.error).__name__ if t.error else None}
-
     def push(address: str, req: str, senders: int = 1, part: int = 0, heads=None) -> dict:
         p = state["producer"]
-        return _wait(
+        return outcome(
             p.push(address, req, state["ids"], tokens=state["tokens"], senders=senders, part=part, heads=heads)
         )
 
     def offer(address: str, req: str) -> dict:
-        return _wait(state["producer"].offer(address, req, state["ids"], tokens=state["tokens"]))
+        return outcome(state["producer"].offer(address, req, state["ids"], tokens=state["tokens"]))
 
     def hold(req: str) -> dict:
         state["hold"] = state["producer"].hold(req, state["ids"], tokens=state["tokens"])
         return state["hold"].ticket
 
     def held_end() -> dict:
-        return _wait(state["hold"])
+        return outcome(state["hold"])
 
     serve(conn, True, {"setup": setup, "push": push, "offer": offer, "hold": hold, "held_end": held_end})
 

@@ -43,7 +43,7 @@ def layout(tensors, layers: tuple[int, int] | None, heads: tuple[int, int] | Non
 
 
 def _rank_main(conn, transport: str) -> None:
-    from procs import serve
+    from procs import outcome, serve
 
     state: dict = {}
 
@@ -56,9 +56,8 @@ def _rank_main(conn, transport: str) -> None:
         state["producer"] = Producer(lay, transport=transport, deadline=10)
 
     def push(address: str, req: str, senders: int, part: int, layers, heads) -> dict:
-        t = state["producer"].push(address, req, SRC, senders=senders, part=part, layers=layers, heads=heads)
-        t.wait_ended(15)
-        return {"status": t.status.value, "error": type(t.error).__name__ if t.error else None}
+        p = state["producer"]
+        return outcome(p.push(address, req, SRC, senders=senders, part=part, layers=layers, heads=heads))
 
     serve(conn, True, {"setup": setup, "push": push})
 

@@ -17,7 +17,7 @@ import pytest
 from conformance.peers import wait_for
 from kvxfer import BlockError, Consumer, IncompatibleError, KVLayout, Producer
 from kvxfer.shard import heads_of, sources
-from procs import PipedProcess, RemoteError, serve
+from procs import PipedProcess, RemoteError, outcome, serve
 
 LAYERS, NUM_BLOCKS, BLOCK, HEAD_DIM = 2, 24, 4, 8
 SRC = np.array([5, 17, 2, 9, 11])  # the request's blocks on every prefill rank (same ids: one scheduler)
@@ -54,9 +54,7 @@ def _rank_main(conn, transport: str) -> None:
         return list(held)
 
     def push(address: str, req: str, senders: int, part: int, heads) -> dict:
-        t = state["producer"].push(address, req, SRC, senders=senders, part=part, heads=heads, deadline=10)
-        t.wait_ended(15)
-        return {"status": t.status.value, "error": type(t.error).__name__ if t.error else None}
+        return outcome(state["producer"].push(address, req, SRC, senders=senders, part=part, heads=heads, deadline=10))
 
     serve(conn, True, {"setup": setup, "push": push})
 

@@ -33,6 +33,22 @@ def _cache_config(vh, vc, heads: int, num_blocks: int, layers=None):
     return get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(names) * num_blocks)
 
 
+def _ship(workers, consumer, rid: str, transfer_id: str, src: list[int], block: int):
+    """The scheduler is rank-agnostic: every rank gets the same ship order; each must report it done, and the
+    consumer's arrival is returned."""
+    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
+
+    order = ShipOrder(rid, transfer_id, consumer.address, src, len(src) * block, 1, 10.0, False, {})
+    for w in workers:
+        w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
+        w.wait_for_save()
+        w.clear_connector_metadata()
+    assert [_wait_ended(w, rid) for w in workers] == [(1, "done", None)] * len(workers)
+    a = consumer.get(10)
+    assert a.req == transfer_id
+    return a
+
+
 def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
     vh.init_single_process_world(vh.make_vllm_config(None))  # as other tests leave it: a TP group of 1 here
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -41,7 +57,6 @@ def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvxfer import Consumer, KVLayout
-    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
 
     blocks = 12
     full_vc = vh.make_vllm_config(None)
@@ -63,25 +78,7 @@ def test_two_tp_ranks_push_their_heads_into_one_consumer(vh):
             workers.append(w)
             caches.append(kv)
         src = [3, 7, 1]
-        order = ShipOrder(
-            req_id="r1",
-            transfer_id="tp-req",
-            consumer=consumer.address,
-            block_ids=src,
-            num_tokens=3 * full_vc.cache_config.block_size,
-            attempt=1,
-            deadline=10.0,
-            digests=False,
-            meta={},
-        )
-        for w in workers:  # the scheduler is rank-agnostic: every rank gets the same order
-            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
-            w.wait_for_save()
-            w.clear_connector_metadata()
-        ended = [_wait_ended(w, "r1") for w in workers]
-        assert ended == [(1, "done", None)] * 2, ended
-        a = consumer.get(10)
-        assert a.req == "tp-req"
+        a = _ship(workers, consumer, "r1", "tp-req", src, full_vc.cache_config.block_size)
         for name, t in full.items():  # vLLM's CPU view: [blocks, kv heads, block, K|V]
             got = t[torch.as_tensor(a.block_ids)]
             want = torch.cat([caches[r][name][src] for r in range(2)], dim=1)
@@ -107,7 +104,6 @@ def test_pipeline_stages_push_their_layers_into_one_consumer(vh, tp, pp):
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvxfer import Consumer, KVLayout
-    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
 
     blocks, per_stage = 12, len(vh.LAYERS) // pp
     full_vc = vh.make_vllm_config(None)
@@ -132,16 +128,7 @@ def test_pipeline_stages_push_their_layers_into_one_consumer(vh, tp, pp):
                 w.register_kv_caches(kv)
                 workers.append(w)
         src = [3, 7, 1]
-        order = ShipOrder(
-            "r1", "pp-req", consumer.address, src, 3 * full_vc.cache_config.block_size, 1, 10.0, False, {}
-        )
-        for w in workers:
-            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
-            w.wait_for_save()
-            w.clear_connector_metadata()
-        assert [_wait_ended(w, "r1") for w in workers] == [(1, "done", None)] * (tp * pp)
-        a = consumer.get(10)
-        assert a.req == "pp-req"
+        a = _ship(workers, consumer, "r1", "pp-req", src, full_vc.cache_config.block_size)
         for li, name in enumerate(vh.LAYERS):
             stage = li // per_stage
             want = torch.cat([caches[(stage, r)][name][src] for r in range(tp)], dim=1)
@@ -197,7 +184,6 @@ def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch,
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvxfer import Consumer, KVLayout
-    from kvxfer.integrations.vllm import KVXferConnectorMetadata, ShipOrder
 
     monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))  # the tiny model's config is Llama's
     blocks = 12
@@ -227,16 +213,7 @@ def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch,
             for r in range(tp)
         ]
         src = [3, 7, 1]
-        order = ShipOrder(
-            "r1", "mla-req", consumer.address, src, 3 * full_vc.cache_config.block_size, 1, 10.0, False, {}
-        )
-        for w in workers:
-            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(order)]))
-            w.wait_for_save()
-            w.clear_connector_metadata()
-        assert [_wait_ended(w, "r1") for w in workers] == [(1, "done", None)] * tp
-        a = consumer.get(10)
-        assert a.req == "mla-req"
+        a = _ship(workers, consumer, "r1", "mla-req", src, full_vc.cache_config.block_size)
         for name, t in full.items():
             assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), latent[name][src]), name
         assert consumer.release("mla-req")
