@@ -183,8 +183,9 @@ class Fetches:
             if paging.k == 1:
                 ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)
             else:  # blocks of other sizes: ask for our tokens (the producer offers at most what it holds)
-                n = paging.src_blocks(f.tokens)
-                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=n, attempt=f.attempt, tokens=f.tokens)
+                tokens = f.tokens or len(f.ids) * paging.dst_block
+                n = paging.src_blocks(tokens)
+                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=n, attempt=f.attempt, tokens=tokens)
             if not s.send(ask):
                 raise PeerError(f"producer {f.address} is gone")
             log.debug("kvxfer fetch %s: asked %s on session %d", f.req, f.address, s.sid)

@@ -84,7 +84,7 @@ class KVXferScheduler:
         if not self.fetch or request.request_id in self._fetches:
             return 0, False
         claim = parse_claim(request.kv_transfer_params, request.request_id, self.settings)
-        if claim is None or claim.kind != FETCH or claim.error:
+        if claim is None or claim.kind != FETCH or claim.error or claim.ticket is None:
             return 0, False
         count = self._held_tokens(request, claim) - num_computed_tokens
         if num_computed_tokens % claim.ticket.block_size:  # a local hit ending inside a prefill block: computed here

@@ -505,7 +505,7 @@ class KVXferWorker:
         if self.stage is None or part is None:
             return part
         layout = self.layout
-        if layout is None:
+        if layout is None or layout.layers is None:
             raise ClosedError("no KV cache registered (sleeping or shut down)")
         pp_rank, pp = self.stage
         senders, i = part.get("senders", 1), part.get("part", 0)
