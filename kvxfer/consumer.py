@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from . import handshake, tls, wire
+from . import handshake, inline, tls, wire
 from .allocator import Allocator, FreeList
 from .channel import Channel, parse_address, remaining
 from .digest import mismatches
@@ -132,6 +132,7 @@ class Consumer(HandleBase):
         self.max_msgs_per_sec = max_msgs_per_sec
         self.tls = tls
         super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+        self._inline = inline.Inline(layout) if inline.Inline.usable(layout) else None
         self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.allocator = allocator or FreeList(layout.num_blocks)
         self.grants = Grants(
@@ -423,6 +424,10 @@ class Consumer(HandleBase):
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
+            if msg.data and (msg.senders != 1 or msg.layers is not None or msg.heads is not None):
+                raise BlockError(f"request {msg.req!r}: only a whole single-sender push carries its bytes inline")
+            if msg.data and self._inline is None:
+                raise BlockError(f"request {msg.req!r}: this consumer's device memory takes no inline bytes")
             part, ranges = self._part(s, msg)
             n, chunks, per_block = self._paged(s, part, msg.req, msg.num_blocks, msg.tokens)
             slot, superseded = self.grants.admit(
@@ -453,8 +458,38 @@ class Consumer(HandleBase):
                 skip=s.sid,
             )  # on the same session the answer would name the new transfer
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
+        if msg.data:
+            return self._land_inline(s, slot, msg)
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+
+    def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit) -> None:
+        """A small push's bytes came with its Admit: land them in the granted blocks (the slot is receiving
+        meanwhile, so a failure frees them only after), then Grant and, once handed off, Ack."""
+        assert self._inline is not None  # checked before the admission
+        error: KVXferError | None = None
+        try:
+            self.grants.begin_receive(slot)
+        except KVXferError as e:
+            return self._refuse(s, msg.req, slot.gen, e, msg.attempt)
+        try:
+            if len(msg.data) != slot.nbytes:
+                raise BlockError(f"request {msg.req!r}: {len(msg.data)} bytes inline, its blocks take {slot.nbytes}")
+            ext = s.link.paging().side(False, slot.ids, slot.chunks, self.layout.num_blocks)
+            self._inline.unpack(ext, msg.data)
+        except KVXferError as e:
+            error = e
+        self.grants.end_receive(slot, 0 if error else slot.nbytes, time.monotonic())
+        if error is not None:
+            self._fail_slot(slot, error)
+            return self._refuse(s, msg.req, slot.gen, error, msg.attempt)
+        s.send(wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+        try:
+            ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, msg.meta, b"")
+        except KVXferError as e:
+            return self._refuse(s, msg.req, slot.gen, e)
+        if ready is not None:
+            self._deliver(ready, "push")
 
     @staticmethod
     def _paged(

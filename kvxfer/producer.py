@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import handshake, wire
+from . import handshake, inline, wire
 from .channel import Channel, connect, parse_address, remaining
 from .digest import block_digests
 from .errors import (
@@ -97,6 +97,9 @@ class Producer(HandleBase):
 
     ``listen`` (``"host:port"``, port 0 picks one; ``address`` says which) lets consumers connect to fetch
     what ``hold`` keeps for them: a decode instance that chooses its own destination blocks.
+
+    ``inline_max``: a whole push of at most this many bytes from host memory travels inside its ``Admit``
+    (``kvxfer.inline``: one round trip, one copy per side); 0 always moves bytes over the transport.
     """
 
     def __init__(
@@ -114,12 +117,17 @@ class Producer(HandleBase):
         max_frame: int = wire.MAX_FRAME,
         tls: ssl.SSLContext | None = None,
         listen: str | None = None,
+        inline_max: int = inline.DEFAULT,
     ):
+        if not 0 <= inline_max <= inline.LIMIT:
+            raise ConfigError(f"inline_max must be within [0, {inline.LIMIT}], got {inline_max}")
         if listen is not None and tls is not None:
             raise ConfigError("fetching over TLS is not supported yet: give listen= or tls=, not both")
         where = parse_address(listen) if listen is not None else None
         options = dict(transport_options or {}, **({"tls": tls} if tls is not None else {}))
         super().__init__(layout, transport, auth, options, peer_id, workers)
+        self.inline_max = inline_max
+        self._inline = inline.Inline(layout) if inline_max and inline.Inline.usable(layout) else None
         self.tls = tls
         self.deadline = deadline
         self.lease = lease
@@ -359,6 +367,7 @@ class Producer(HandleBase):
         return self._launch(t, self._admit)
 
     def _admit(self, s: _ProducerSession, t: Transfer) -> None:
+        tokens = self._tokens(s, t)
         s.send(
             wire.Admit(
                 req=t.req,
@@ -370,9 +379,22 @@ class Producer(HandleBase):
                 part=t.part,
                 layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
                 heads=None if t.part_of is None or t.part_of.heads is None else list(t.part_of.heads),
-                tokens=self._tokens(s, t),
+                tokens=tokens,
+                data=self._packed(s, t, tokens),
             )
         )
+
+    def _packed(self, s: _ProducerSession, t: Transfer, tokens: int | None) -> bytes:
+        """A small whole push's bytes, to travel inside its Admit (``kvxfer.inline``); else nothing."""
+        t.inline = False
+        if self._inline is None or t.senders > 1 or t.part_of is not None or t.override is not None or t.digests:
+            return b""
+        paging = s.link.paging()
+        chunks = None if tokens is None else paging.chunks(tokens)
+        if paging.nbytes(len(t.src_ids) if chunks is None else chunks) > self.inline_max:
+            return b""
+        t.inline = True
+        return self._inline.pack(paging.side(True, t.src_ids, chunks, self.layout.num_blocks))
 
     def offer(
         self,
@@ -605,6 +627,9 @@ class Producer(HandleBase):
         except KVXferError as e:
             return self._fail(s, t, e)
         t._mark(Status.MOVING, "admitted")
+        if t.inline:  # the bytes came with the Admit and have landed: the Ack follows the Grant
+            t._mark(Status.COMMITTING, "moved")
+            return
         try:
             self.pool.submit(self._move, s, t)
         except RuntimeError:

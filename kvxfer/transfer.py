@@ -56,6 +56,7 @@ class Transfer:
         self.senders, self.part = 1, 0  # multi-sender: this push is part ``part`` of ``senders``
         self.tokens: int | None = None  # the request's tokens in its source blocks (None: every block full)
         self.chunks: int | None = None  # the other side pages with other tokens per block: chunks moved
+        self.inline = False  # the push's bytes travel inside its Admit (kvxfer.inline)
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self.cancel_event = threading.Event()

@@ -184,6 +184,8 @@ class Admit(_Msg, tag="admit"):
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
     tokens: Tokens | None = None  # set when the two sides page with different tokens per block: the request's
     # tokens in its ``num_blocks`` source blocks; the grant is the consumer's blocks that hold them
+    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""  # a small single-sender push's bytes, in
+    # stream order: the consumer lands them before its Grant and acknowledges at once (no data, no Done)
 
 
 class Grant(_Msg, tag="grant"):

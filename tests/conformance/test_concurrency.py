@@ -6,7 +6,7 @@ import numpy as np
 
 from kvxfer import Producer
 
-from .conftest import SENTINEL
+from .conftest import PRODUCER_OPTIONS, SENTINEL
 from .kvspec import Spec, block_bytes, untouched
 from .peers import wait_for
 
@@ -44,7 +44,7 @@ def test_several_producer_processes(consumers, producers):
 def test_many_requests_in_flight_from_threads(consumers, transport):
     consumer = consumers(SPEC)
     tensors, kw, views, _ = SPEC.build(seed=7)
-    producer = Producer(SPEC.layout(tensors, kw), transport=transport)
+    producer = Producer(SPEC.layout(tensors, kw), transport=transport, **PRODUCER_OPTIONS)
     rng = np.random.default_rng(2)
     jobs = {f"t{i}": rng.permutation(SPEC.num_blocks)[:8] for i in range(48)}
     transfers = {}

@@ -17,6 +17,7 @@ from kvxfer import (
     TransportError,
 )
 
+from .conftest import PRODUCER_OPTIONS
 from .kvspec import Spec
 from .peers import PeerError as RemoteError
 from .peers import wait_for
@@ -31,7 +32,7 @@ def _settled(consumer, free: int) -> bool:
 
 def _local_producer(spec, transport, **options):
     tensors, kw, _, raw = spec.build(seed=1)
-    return Producer(spec.layout(tensors, kw), transport=transport, **options), raw
+    return Producer(spec.layout(tensors, kw), transport=transport, **{**PRODUCER_OPTIONS, **options}), raw
 
 
 def test_producer_killed_mid_transfer(consumers, producers):

@@ -1,0 +1,102 @@
+"""Small pushes inside the control messages (``kvxfer.inline``): every byte lands where it belongs, on every
+transport and layout; larger pushes and ``inline_max=0`` use the transport; bad inline bytes from a peer are
+refused with nothing leaked; failures end as for any push."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from kvxfer import BlockError, ConfigError, Producer, wire
+from kvxfer.digest import block_digests
+
+from .conftest import SENTINEL, pick, source_views
+from .kvspec import KINDS, Spec, block_bytes, untouched
+from .peers import wait_for
+from .rawpeer import RawPeer
+
+
+def _producer(spec: Spec, transport: str, seed: int, **options) -> Producer:
+    tensors, kw, _, _ = spec.build(seed=seed)
+    return Producer(spec.layout(tensors, kw), transport=transport, **options)
+
+
+def _same(consumer, spec, seed, src_ids, arrival) -> None:
+    got = block_bytes(consumer.views, arrival.block_ids)
+    for a, b in zip(block_bytes(source_views(spec, seed), src_ids), got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert untouched(consumer.views, arrival.block_ids, SENTINEL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_small_push_travels_inline_and_lands_every_byte(consumers, transport, kind):
+    spec = Spec(kind=kind)
+    consumer = consumers(spec)
+    rng = np.random.default_rng(KINDS.index(kind))
+    with _producer(spec, transport, seed=5) as p:
+        for i, n in enumerate((1, 5, 17)):
+            ids = pick("permuted", n, spec.num_blocks, rng)
+            t = p.push(consumer.address, f"{kind}-{i}", ids)
+            t.result(10)
+            assert t.inline and t.nbytes == n * consumer.layout.block_bytes
+            a = consumer.get(10)
+            _same(consumer, spec, 5, ids, a)
+            assert consumer.release(a.req)
+    assert consumer.stats()["free_blocks"] == spec.num_blocks
+
+
+def test_large_pushes_and_inline_max_zero_use_the_transport(consumers, transport):
+    spec = Spec()
+    consumer = consumers(spec)
+    ids = np.arange(40)
+    for limit, req in ((consumer.layout.block_bytes * 40 - 1, "over"), (0, "off")):
+        with _producer(spec, transport, seed=2, inline_max=limit) as p:
+            t = p.push(consumer.address, req, ids)
+            t.result(10)
+            assert not t.inline
+            a = consumer.get(10)
+            _same(consumer, spec, 2, ids, a)
+            assert consumer.release(a.req)
+    with pytest.raises(ConfigError):
+        _producer(spec, transport, seed=2, inline_max=(1 << 20) + 1)
+
+
+def test_inline_bytes_a_peer_sends_wrong_are_refused_and_leak_nothing(consumers, transport):
+    """Too few bytes, too many, inline bytes in a part of a multi-sender push: ``Error(blocks)`` each, every
+    block free, and the session still admits a correct inline push."""
+    spec = Spec()
+    consumer = consumers(spec)
+    tensors, kw, _, _ = spec.build(seed=1)
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(spec.layout(tensors, kw), transport), wire.Welcome)
+    size = consumer.layout.block_bytes
+    for i, fields in enumerate(
+        [
+            {"num_blocks": 2, "data": bytes(2 * size - 1)},
+            {"num_blocks": 2, "data": bytes(2 * size + 1)},
+            {"num_blocks": 1, "data": bytes(size), "senders": 2},
+        ]
+    ):
+        raw.send(wire.Admit(req=f"bad-{i}", deadline_ms=5000, **fields))
+        reply = raw.recv()
+        assert isinstance(reply, wire.Error) and reply.code == BlockError.code, (fields, reply)
+    assert wait_for(lambda: consumer.stats()["free_blocks"] == spec.num_blocks, 5)
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    raw.send(wire.Admit(req="good", num_blocks=1, deadline_ms=5000, data=payload))
+    grant = raw.recv()
+    assert isinstance(grant, wire.Grant)
+    assert isinstance(raw.recv(), wire.Ack)
+    a = consumer.get(10)
+    assert a.req == "good"
+    assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payload).to_bytes(4, "little")  # in order
+
+
+def test_a_consumer_gone_before_the_ack_fails_the_inline_push(remote_consumers, transport):
+    spec = Spec()
+    consumer = remote_consumers(spec)
+    with _producer(spec, transport, seed=3) as p:
+        p.push(consumer.address, "warm", [0]).result(10)
+        consumer.stop()  # the Admit (with its bytes) is sent; nothing answers
+        t = p.push(consumer.address, "lost", [1, 2], deadline=1.0)
+        consumer.kill()
+        assert t.exception(10) is not None and t.inline
