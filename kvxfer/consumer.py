@@ -463,20 +463,25 @@ class Consumer(HandleBase):
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
+    def _landed_inline(self, s: _ConsumerSession, slot: Slot, data: bytes) -> int:
+        """Scatter a request's bytes, carried in its Admit or Offer, into the slot's blocks; returns their count."""
+        if self._inline is None:
+            raise BlockError(f"request {slot.req!r}: this consumer's device memory takes no inline bytes")
+        if len(data) != slot.nbytes:
+            raise BlockError(f"request {slot.req!r}: {len(data)} bytes inline, its blocks take {slot.nbytes}")
+        self._inline.unpack(s.link.paging().side(False, slot.ids, slot.chunks, self.layout.num_blocks), data)
+        return len(data)
+
     def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit) -> None:
         """A small push's bytes came with its Admit: land them in the granted blocks (the slot is receiving
         meanwhile, so a failure frees them only after), then Grant and, once handed off, Ack."""
-        assert self._inline is not None  # checked before the admission
         error: KVXferError | None = None
         try:
             self.grants.begin_receive(slot)
         except KVXferError as e:
             return self._refuse(s, msg.req, slot.gen, e, msg.attempt)
         try:
-            if len(msg.data) != slot.nbytes:
-                raise BlockError(f"request {msg.req!r}: {len(msg.data)} bytes inline, its blocks take {slot.nbytes}")
-            ext = s.link.paging().side(False, slot.ids, slot.chunks, self.layout.num_blocks)
-            self._inline.unpack(ext, msg.data)
+            self._landed_inline(s, slot, msg.data)
         except KVXferError as e:
             error = e
         self.grants.end_receive(slot, 0 if error else slot.nbytes, time.monotonic())
@@ -661,18 +666,25 @@ class Consumer(HandleBase):
         cancel = threading.Event()
         with self._lock:
             s.pulls[msg.req] = (slot, cancel)
-        self.pool.submit(self._pull, s, slot, src, cancel)
+        if msg.data:  # the offer carried its bytes (kvxfer.inline): land them here, no read
+            self._pull(s, slot, src, cancel, msg.data)
+        else:
+            self.pool.submit(self._pull, s, slot, src, cancel)
 
-    def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event) -> None:
-        """Read an offer into the slot's blocks. The slot is *receiving* while the reader runs, so a failure
-        from any thread (cancel, deadline, lost session) frees the blocks only after the last byte landed."""
+    def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event, data=b"") -> None:
+        """Read an offer into the slot's blocks (or land the bytes it carried). The slot is *receiving* while the
+        reader runs, so a failure from any thread (cancel, deadline, lost session) frees the blocks only after
+        the last byte landed."""
         try:
             self.grants.begin_receive(slot)
         except KVXferError as e:  # failed before its turn: not a byte moves
             return self._pull_failed(s, slot, e)
         moved, error = 0, None
         try:
-            moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel, slot.chunks)
+            if data:
+                moved = self._landed_inline(s, slot, data)
+            else:
+                moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel, slot.chunks)
         except KVXferError as e:
             error = e
         except Exception as e:

@@ -1,7 +1,8 @@
-"""Small pushes ride inside the control messages: the producer gathers the request's bytes into its ``Admit``,
-the consumer scatters them into the blocks it grants. One copy on each side instead of a data connection, and
-one round trip (Admit, then Grant and Ack) instead of three: what a small request's latency is made of. Host
-memory only (a device cache stages its bytes anyway); larger requests move zero-copy over the transport.
+"""Small requests ride inside the control messages: the producer gathers a request's bytes into its ``Admit``
+(push) or ``Offer`` (pull, fetch), the consumer scatters them into the blocks it grants or chose. One copy on each
+side instead of a data connection: a push takes one round trip (Admit, then Grant and Ack) instead of three, a
+pull no read. What a small request's latency is made of. Host memory only (a device cache stages its bytes
+anyway); larger requests move zero-copy over the transport.
 """
 
 from __future__ import annotations

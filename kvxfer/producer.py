@@ -98,8 +98,9 @@ class Producer(HandleBase):
     ``listen`` (``"host:port"``, port 0 picks one; ``address`` says which) lets consumers connect to fetch
     what ``hold`` keeps for them: a decode instance that chooses its own destination blocks.
 
-    ``inline_max``: a whole push of at most this many bytes from host memory travels inside its ``Admit``
-    (``kvxfer.inline``: one round trip, one copy per side); 0 always moves bytes over the transport.
+    ``inline_max``: a whole push, offer or fetched hold of at most this many bytes from host memory travels
+    inside its ``Admit`` or ``Offer`` (``kvxfer.inline``: fewer round trips, one copy per side); 0 always moves
+    bytes over the transport.
     """
 
     def __init__(
@@ -380,21 +381,22 @@ class Producer(HandleBase):
                 layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
                 heads=None if t.part_of is None or t.part_of.heads is None else list(t.part_of.heads),
                 tokens=tokens,
-                data=self._packed(s, t, tokens),
+                data=self._packed(s, t, t.src_ids, tokens),
             )
         )
 
-    def _packed(self, s: _ProducerSession, t: Transfer, tokens: int | None) -> bytes:
-        """A small whole push's bytes, to travel inside its Admit (``kvxfer.inline``); else nothing."""
+    def _packed(self, s: _ProducerSession, t: Transfer, ids: np.ndarray, tokens: int | None) -> bytes:
+        """A small whole request's bytes, to travel inside its Admit or Offer (``kvxfer.inline``); else nothing.
+        They are read now: the caller's blocks must hold the request already, as for any push or offer."""
         t.inline = False
-        if self._inline is None or t.senders > 1 or t.part_of is not None or t.override is not None or t.digests:
+        if self._inline is None or t.senders > 1 or t.part_of is not None or t.override is not None:
             return b""
         paging = s.link.paging()
         chunks = None if tokens is None else paging.chunks(tokens)
-        if paging.nbytes(len(t.src_ids) if chunks is None else chunks) > self.inline_max:
+        if paging.nbytes(len(ids) if chunks is None else chunks) > self.inline_max:
             return b""
         t.inline = True
-        return self._inline.pack(paging.side(True, t.src_ids, chunks, self.layout.num_blocks))
+        return self._inline.pack(paging.side(True, ids, chunks, self.layout.num_blocks))
 
     def offer(
         self,
@@ -431,6 +433,7 @@ class Producer(HandleBase):
                 meta=t.meta,
                 digests=t.digests,
                 tokens=tokens,
+                data=self._packed(s, t, t.src_ids, tokens),
             )
         )
 
@@ -520,6 +523,7 @@ class Producer(HandleBase):
                 meta=t.meta,
                 digests=digests,
                 tokens=tokens,
+                data=self._packed(s, t, ids, tokens),
             )
         )
 

@@ -212,6 +212,8 @@ class Offer(_Msg, tag="offer"):
     meta: Meta = {}
     digests: bytes = b""
     tokens: Tokens | None = None  # as in ``Admit``: the offered blocks' tokens, when the two sides page differently
+    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""  # a small offer's bytes (read at the offer):
+    # the consumer lands them and releases at once, with no read
 
 
 class Fetch(_Msg, tag="fetch"):

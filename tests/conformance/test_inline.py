@@ -100,3 +100,27 @@ def test_a_consumer_gone_before_the_ack_fails_the_inline_push(remote_consumers, 
         t = p.push(consumer.address, "lost", [1, 2], deadline=1.0)
         consumer.kill()
         assert t.exception(10) is not None and t.inline
+
+
+def test_a_small_offer_and_a_small_hold_travel_inline(consumers, transport):
+    """A pull reads nothing: the offer carries the bytes; a fetch likewise, into the blocks its caller chose."""
+    spec = Spec(kind="hnd")
+    consumer = consumers(spec)
+    ids = np.array([7, 3, 11])
+    with _producer(spec, transport, seed=9, listen="127.0.0.1:0") as p:
+        t = p.offer(consumer.address, "pulled", ids)
+        a = consumer.get(10)
+        t.result(10)
+        assert t.inline and a.kind == "pull"
+        _same(consumer, spec, 9, ids, a)
+        assert consumer.release(a.req)
+        h = p.hold("held", ids, lease=10)
+        mine = np.array([20, 21, 5])
+        f = consumer.fetch(h.ticket["address"], "held", mine, deadline=10)
+        f.result(10)
+        h.result(10)
+        assert h.inline
+        got, want = block_bytes(consumer.views, mine), block_bytes(source_views(spec, 9), ids)
+        for x, y in zip(want, got, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert wait_for(lambda: consumer.stats()["free_blocks"] == spec.num_blocks, 5)
