@@ -87,8 +87,9 @@ class Consumer(HandleBase):
     Limits against a careless or hostile peer: ``allowed_producers`` (IP addresses or networks, e.g.
     ``["10.0.0.0/8"]``; others are closed before a byte is read), ``max_sessions_per_host``,
     ``max_inflight_per_peer`` (admissions of one session), ``max_msgs_per_sec`` (control frames of one
-    session, averaged over a one-second burst), ``max_frame`` (control-frame size after the handshake,
-    ``wire.MAX_HANDSHAKE_FRAME`` before it) and ``handshake_timeout`` (the whole handshake).
+    session, averaged over a one-second burst), ``max_frame`` (control-frame size after the handshake, at least
+    ``kvxfer.inline.FRAME``; ``wire.MAX_HANDSHAKE_FRAME`` before it) and ``handshake_timeout`` (the whole
+    handshake).
 
     ``tls`` (a server context, ``kvxfer.tls.server_context``): every control and TCP data connection is TLS.
     """
@@ -145,6 +146,8 @@ class Consumer(HandleBase):
             max_inflight_per_peer=max_inflight_per_peer,
         )
         self.deadline = deadline
+        if max_frame < inline.FRAME:
+            raise ConfigError(f"max_frame must hold an inline request ({inline.FRAME} bytes), got {max_frame}")
         self.max_frame = max_frame
         self.handshake_timeout = handshake_timeout
         self.on_arrival = on_arrival

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import wire
 from .layout import KVLayout
 from .memory import HOST
 from .plan import Extents
 from .staging.engine import HostEngine, Slot
 
-LIMIT = 1 << 20  # the most bytes an Admit may carry (the wire's bound; a producer's own default is lower)
+LIMIT = wire.INLINE_MAX  # the most bytes a message may carry (the wire's bound; a producer's default is lower)
+FRAME = LIMIT + (64 << 10)  # a control frame carrying that many, with the rest of its message
 DEFAULT = 64 << 10  # a producer inlines requests of at most this many bytes unless told otherwise
 
 

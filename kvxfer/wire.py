@@ -37,6 +37,7 @@ from .errors import BlockError, ProtocolError
 
 VERSION = 3  # 2: mutual authentication, meaningful fingerprints, strict decoding; 3: fetch (consumer-initiated)
 MAX_FRAME = 64 << 20
+INLINE_MAX = 1 << 20  # the most bytes an Admit or Offer carries inline (kvxfer.inline)
 MAX_HANDSHAKE_FRAME = 1 << 20  # before both sides proved the token (a layout with 640 segments is ~9 KiB)
 MAX_SEGMENTS = 1 << 16
 MAX_BLOCKS = 1 << 32  # block ids travel as uint32
@@ -184,7 +185,7 @@ class Admit(_Msg, tag="admit"):
     attempt: U63 = 0  # the producer's attempt id, echoed in the answer: a late answer to an older attempt is ignored
     tokens: Tokens | None = None  # set when the two sides page with different tokens per block: the request's
     # tokens in its ``num_blocks`` source blocks; the grant is the consumer's blocks that hold them
-    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""  # a small single-sender push's bytes, in
+    data: Annotated[bytes, msgspec.Meta(max_length=INLINE_MAX)] = b""  # a small single-sender push's bytes, in
     # stream order: the consumer lands them before its Grant and acknowledges at once (no data, no Done)
 
 
@@ -212,7 +213,7 @@ class Offer(_Msg, tag="offer"):
     meta: Meta = {}
     digests: bytes = b""
     tokens: Tokens | None = None  # as in ``Admit``: the offered blocks' tokens, when the two sides page differently
-    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] = b""  # a small offer's bytes (read at the offer):
+    data: Annotated[bytes, msgspec.Meta(max_length=INLINE_MAX)] = b""  # a small offer's bytes (read at the offer):
     # the consumer lands them and releases at once, with no read
 
 

@@ -124,3 +124,11 @@ def test_a_small_offer_and_a_small_hold_travel_inline(consumers, transport):
         for x, y in zip(want, got, strict=True):
             np.testing.assert_array_equal(x, y)
     assert wait_for(lambda: consumer.stats()["free_blocks"] == spec.num_blocks, 5)
+
+
+def test_a_consumer_whose_frames_cannot_hold_an_inline_request_is_refused_at_construction(transport):
+    from kvxfer import Consumer, inline
+
+    tensors, kw, _, _ = Spec().build()
+    with pytest.raises(ConfigError, match="max_frame must hold an inline request"):
+        Consumer(Spec().layout(tensors, kw), transport=transport, max_frame=inline.FRAME - 1)
