@@ -2,7 +2,6 @@ import os
 
 import pytest
 
-from conformance.conftest import PRODUCER_OPTIONS
 from conformance.kvspec import Spec
 from conformance.peers import ProducerProcess as Sender
 from kvxfer import transports
@@ -51,17 +50,16 @@ def _shared():
 
 @pytest.fixture
 def senders(transport, _shared):
-    """Producer processes, reused across tests of one transport (spawning costs ~1 s); ``fresh`` for kills. They
-    move bytes over the transport (no inline requests), so a test can pause one mid-transfer."""
+    """Producer processes, reused across tests of one transport (spawning costs ~1 s); ``fresh`` for kills."""
     fresh = []
 
     def get(seed: int = 1, spec: Spec = SPEC, new: bool = False) -> Sender:
         if new:
-            fresh.append(Sender(spec, transport, seed, **PRODUCER_OPTIONS))
+            fresh.append(Sender(spec, transport, seed))
             return fresh[-1]
         key = (transport, seed, spec)
         if key not in _shared or not _shared[key].proc.is_alive():
-            _shared[key] = Sender(spec, transport, seed, **PRODUCER_OPTIONS)
+            _shared[key] = Sender(spec, transport, seed)
         return _shared[key]
 
     yield get

@@ -14,6 +14,9 @@ import time
 import traceback
 
 _ctx = mp.get_context("spawn")
+# Harness producers move bytes over the transport under test, not inline in the control messages (small requests
+# would), so a test can pause, stop or kill one mid-transfer; tests of the inline path make their own producers.
+TRANSPORT_ONLY = {"inline_max": 0}
 
 
 def _all_stopped(pid: int) -> bool:

@@ -9,9 +9,6 @@ from .peers import ConsumerProcess, ProducerProcess
 SENTINEL = 0xAB
 # Suite-wide consumer settings: short quarantine so one-sided transports free failed blocks quickly.
 CONSUMER_OPTIONS = {"quarantine": 0.2, "deadline": 20.0}
-# The suite's requests are small: producers move them over the transport under test, not inline in the control
-# messages (test_inline.py covers that path on every transport).
-PRODUCER_OPTIONS = {"inline_max": 0}
 DEFAULT_SPEC = Spec()  # immutable, so one instance serves every default
 
 
@@ -48,7 +45,7 @@ def producers(transport):
     made = []
 
     def make(spec: Spec = DEFAULT_SPEC, seed: int = 0, **options) -> ProducerProcess:
-        p = ProducerProcess(spec, transport, seed=seed, **{**PRODUCER_OPTIONS, **options})
+        p = ProducerProcess(spec, transport, seed=seed, **options)
         made.append(p)
         return p
 

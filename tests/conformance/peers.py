@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from procs import PipedProcess, RemoteError, serve
+from procs import TRANSPORT_ONLY, PipedProcess, RemoteError, serve
 
 from .kvspec import Spec
 
@@ -92,7 +92,7 @@ class ProducerProcess(PipedProcess):
 
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
         self.spec, self.seed = spec, seed
-        super().__init__(_producer_main, spec, transport, seed, options)
+        super().__init__(_producer_main, spec, transport, seed, {**TRANSPORT_ONLY, **options})
         self.address = self.ready
 
     def keep(self, req, ids, **kwargs) -> dict:

@@ -5,8 +5,9 @@ import threading
 import numpy as np
 
 from kvxfer import Producer
+from procs import TRANSPORT_ONLY
 
-from .conftest import PRODUCER_OPTIONS, SENTINEL
+from .conftest import SENTINEL
 from .kvspec import Spec, block_bytes, untouched
 from .peers import wait_for
 
@@ -44,7 +45,7 @@ def test_several_producer_processes(consumers, producers):
 def test_many_requests_in_flight_from_threads(consumers, transport):
     consumer = consumers(SPEC)
     tensors, kw, views, _ = SPEC.build(seed=7)
-    producer = Producer(SPEC.layout(tensors, kw), transport=transport, **PRODUCER_OPTIONS)
+    producer = Producer(SPEC.layout(tensors, kw), transport=transport, **TRANSPORT_ONLY)
     rng = np.random.default_rng(2)
     jobs = {f"t{i}": rng.permutation(SPEC.num_blocks)[:8] for i in range(48)}
     transfers = {}

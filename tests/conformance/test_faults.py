@@ -16,8 +16,8 @@ from kvxfer import (
     Status,
     TransportError,
 )
+from procs import TRANSPORT_ONLY
 
-from .conftest import PRODUCER_OPTIONS
 from .kvspec import Spec
 from .peers import PeerError as RemoteError
 from .peers import wait_for
@@ -32,7 +32,7 @@ def _settled(consumer, free: int) -> bool:
 
 def _local_producer(spec, transport, **options):
     tensors, kw, _, raw = spec.build(seed=1)
-    return Producer(spec.layout(tensors, kw), transport=transport, **{**PRODUCER_OPTIONS, **options}), raw
+    return Producer(spec.layout(tensors, kw), transport=transport, **{**TRANSPORT_ONLY, **options}), raw
 
 
 def test_producer_killed_mid_transfer(consumers, producers):

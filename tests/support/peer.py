@@ -12,7 +12,7 @@ import threading
 import time
 
 from conformance.kvspec import Spec
-from procs import PipedProcess, serve
+from procs import TRANSPORT_ONLY, PipedProcess, serve
 
 from .blocks import BlockBytes, content
 
@@ -145,7 +145,7 @@ class ProducerChild(PipedProcess):
     what = "producer process"
 
     def __init__(self, spec: Spec, transport: str, seed: int = 0, **options):
-        super().__init__(_main, spec, transport, seed, options)
+        super().__init__(_main, spec, transport, seed, {**TRANSPORT_ONLY, **options})
         self.block_bytes = self.ready
 
     def start(self, kind: str, address: str, req: str, n: int, fill: bool = True, **kwargs):
