@@ -74,6 +74,17 @@ def _remote_layout(desc: wire.LayoutDesc) -> KVLayout:
         raise ProtocolError(f"bad layout in handshake: {e}") from None
 
 
+def _paging(a: KVLayout, b: KVLayout, local: KVLayout) -> Paging:
+    """How producer layout ``a`` pairs with consumer layout ``b``; a packed local cache maps no tokens."""
+    p = paging(a, b)
+    if p.k > 1 and local.packed:
+        raise IncompatibleError(
+            f"this cache's blocks are packed by its attention kernel: blocks of {a.fingerprint.block_size} and "
+            f"{b.fingerprint.block_size} tokens cannot be mapped into each other by tokens"
+        )
+    return p
+
+
 # ---- producer side -----------------------------------------------------------------------------------------
 def hello(peer_id: str) -> tuple[wire.Hello, bytes]:
     """The producer's opening message and the nonce it challenges with."""
@@ -114,7 +125,7 @@ def check_welcome(
     if msg.transport not in offered:
         raise IncompatibleError(f"consumer chose transport {msg.transport!r}, we offered {offered}")
     remote = _remote_layout(msg.layout)
-    return msg, remote, paging(layout, remote)
+    return msg, remote, _paging(layout, remote, layout)
 
 
 # ---- consumer side -----------------------------------------------------------------------------------------
@@ -152,7 +163,7 @@ def check_proof(
     if chosen is None:
         raise IncompatibleError(f"producer offers transports {[n for n, _ in msg.transports]}, consumer has {have}")
     remote = _remote_layout(msg.layout)
-    return remote, paging(remote, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
+    return remote, _paging(remote, layout, layout), chosen[0], chosen[1], session_key(token, nonce_p, nonce_c)
 
 
 def welcome(session: int, layout: KVLayout, transport: str, meta: bytes, key: bytes, address: str = "") -> wire.Welcome:

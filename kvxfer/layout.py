@@ -178,6 +178,7 @@ class KVLayout:
         owners: tuple = (),
         heads: tuple[int, int] | None = None,
         layers: tuple[int, int] | None = None,
+        packed: bool = False,
     ):
         self.regions = list(regions)
         self.seg_region = _int64("segment regions", seg_region)
@@ -190,6 +191,7 @@ class KVLayout:
         self._owners = owners
         self.heads = None if heads is None else (int(heads[0]), int(heads[1]))
         self.layers = None if layers is None else (int(layers[0]), int(layers[1]))
+        self.packed = packed  # an attention kernel lays out each block its own way: no token slices (local only)
         self._check()
 
     @property
@@ -265,6 +267,7 @@ class KVLayout:
         num_layers: int | None = None,
         heads: tuple[int, int] | None = None,
         layers: tuple[int, int] | None = None,
+        packed: bool = False,
     ) -> KVLayout:
         """Describe a KV cache.
 
@@ -272,7 +275,10 @@ class KVLayout:
         rank's shard (``kvxfer.shard.heads_of``). Declared on both sides, it lets shards holding different heads
         pair over the heads they share (prefill TP into another decode TP); undeclared, a layout pairs only with
         an equal one. ``layers``: likewise the ``[start, stop)`` of the model's layers this cache holds, when it
-        is one pipeline stage's (its tensors are those layers, in order).
+        is one pipeline stage's (its tensors are those layers, in order). ``packed``: the attention kernel lays
+        out the inside of each block its own way, whatever the tensors' shape says (vLLM's CPU attention keeps a
+        head's K and V as ``[2, block_size, head_size]`` in kernel order): whole blocks, heads and layers still
+        move, but blocks of another size cannot map into or out of it by tokens (refused in the handshake).
 
         ``caches`` is one cross-layer tensor, a sequence of per-layer tensors, or a mapping layer name ->
         tensor; a layer may also be a (K, V) pair of tensors. Layers keep the given order on both sides.
@@ -367,7 +373,9 @@ class KVLayout:
             block_bytes=total,
             order=_text(_repeat("L", entries)),
         )
-        return cls(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views), heads, layers)
+        return cls(
+            regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks, fp, tuple(views), heads, layers, packed
+        )
 
     def desc(self) -> wire.LayoutDesc:
         """What a peer needs to address this layout (sent in the handshake)."""

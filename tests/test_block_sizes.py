@@ -15,7 +15,7 @@ import pytest
 
 from conformance.peers import wait_for
 from conformance.rawpeer import RawPeer
-from kvxfer import BlockError, Consumer, KVLayout, Producer, wire
+from kvxfer import BlockError, Consumer, IncompatibleError, KVLayout, Producer, wire
 from kvxfer.shard import heads_of
 from procs import PipedProcess
 
@@ -216,3 +216,24 @@ def test_a_hostile_admission_with_tokens_its_blocks_cannot_hold_is_refused(num_b
         assert isinstance(granted, wire.Grant) and len(wire.ids_from_bytes(granted.ids, NUM_BLOCKS)) == 3
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("packed_side", ["consumer", "producer"])
+def test_a_packed_cache_maps_no_tokens_but_moves_whole_blocks(packed_side):
+    """A cache whose attention kernel packs each block (``packed``) refuses a peer paging differently in the
+    handshake, whichever side it is on, and still takes whole blocks from a peer paging alike."""
+    ref = reference(40)
+    src = paged(ref, "hnd", 16, np.arange(3), (0, HEADS))
+    for bs_b, ok in ((32, False), (16, True)):
+        tensors = blank("hnd", bs_b, (0, HEADS))
+        b = KVLayout.from_tensors(tensors, block_size=bs_b, dims="BHND", packed=packed_side == "consumer")
+        a = KVLayout.from_tensors(src, block_size=16, dims="BHND", packed=packed_side == "producer")
+        with Consumer(b, transport="tcp") as c, Producer(a, transport="tcp") as p:
+            t = p.push(c.address, "r", [0, 1, 2], tokens=40)
+            t.wait_ended(10)
+            if ok:
+                assert t.error is None
+                check(tensors, "hnd", bs_b, c.get(5).block_ids, ref, (0, HEADS))
+            else:
+                assert isinstance(t.error, IncompatibleError) and "packed" in str(t.error), t.error
+                assert not tensors[0].any()

@@ -50,6 +50,20 @@ def _ranks(pc) -> tuple[int, int]:
     return int(pc.rank) % tp, int(pc.rank) // tp % pp
 
 
+def _packed_by_kernel(vllm_config) -> bool:
+    """Whether this worker's attention kernel lays out each block its own way: vLLM's CPU attention keeps a head's
+    K and V as ``[2, block_size, head_size]`` in kernel order, not the ``[block_size, 2 * head_size]`` its tensor
+    shape says, so its blocks move whole (and by heads or layers) but cannot be split by tokens."""
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+        return any(layer.get_attn_backend().get_name() == "CPU_ATTN" for layer in layers.values())
+    except Exception:  # no model layers here (a harness), or another vLLM: nothing says the blocks are packed
+        return False
+
+
 class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     """kvxfer connector for vLLM V1: ``kv_role`` ``"kv_producer"``, ``"kv_consumer"`` or ``"kv_both"``."""
 
@@ -162,6 +176,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side -------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         assert self.connector_worker is not None
+        self.connector_worker.packed = _packed_by_kernel(self._vllm_config)
         self.connector_worker.register_kv_caches(kv_caches)
 
     def unregister_kv_caches(self) -> None:

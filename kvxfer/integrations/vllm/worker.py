@@ -141,6 +141,7 @@ class KVXferWorker:
         self.shard = shard  # (tensor-parallel rank, size, the model's kv heads): this rank ships its heads
         self.replicated = replicated  # every rank holds the whole cache (MLA): this rank ships its stripe of layers
         self.stage = stage  # (pipeline-parallel rank, size): this rank's cache holds its stage's layers only
+        self.packed = False  # the attention kernel packs each block (vLLM's CPU attention): no token mapping
         self.produce, self.fetch = produce, fetch
         self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
         self._kv_cache_config = kv_cache_config
@@ -190,7 +191,10 @@ class KVXferWorker:
                 )
             layers = (lo, hi)
         layout = KVLayout.from_tensors(
-            tensors, heads=None if self.shard is None or self.replicated else heads_of(*self.shard), layers=layers
+            tensors,
+            heads=None if self.shard is None or self.replicated else heads_of(*self.shard),
+            layers=layers,
+            packed=self.packed,
         )
         sched_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         ratio = 1
@@ -335,6 +339,12 @@ class KVXferWorker:
                 raise IncompatibleError(
                     f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}: "
                     "neither is a multiple of the other"
+                )
+            if paged and layout.packed:
+                raise IncompatibleError(
+                    f"the prefill has {o.block_size} tokens per block, this instance {self.block_size}, and this "
+                    "instance's attention kernel packs its blocks (vLLM's CPU attention): they cannot be mapped "
+                    "by tokens"
                 )
             if not paged and o.fingerprint and o.fingerprint != layout.fingerprint_id:
                 raise IncompatibleError(
