@@ -274,7 +274,9 @@ def test_consumer_hung_before_and_after_handshake_hits_the_deadline(vh, engines,
 def test_preempted_mid_transfer_is_cancelled_and_leaks_nothing(vh, engines, consumers):
     c = consumers(spec=CacheSpec(), deadline=1.0)
     # 10 usable blocks of 16 tokens: two 64-token prompts decoding 80 tokens each cannot both fit
-    e = engines(_ktc(vh, deadline=20), num_blocks=11, max_batched=128)
+    # inline_max=0: A's bytes wait for its grant (an inline push would carry them in its Admit, and a consumer
+    # resumed after the preemption would land them before reading the Cancel: the cancel lost that race)
+    e = engines(_ktc(vh, deadline=20, inline_max=0), num_blocks=11, max_batched=128)
     e.add(vh.make_request("warm", 16, 1, {"kvxfer": {"consumer": c.address}}, seed=60))
     e.run()
     c.get(10)

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from ... import inline
 from ...channel import parse_address
 from ...errors import ConfigError
 
@@ -36,6 +37,7 @@ class Settings:
     listen: str = ""  # prefill: "host:port" the worker's Producer listens on for fetches (needed for holds)
     lease: float = 30.0  # prefill: seconds a held prompt waits to be fetched
     consumer_listen: str = "127.0.0.1:0"  # decode: the fetching Consumer's listen address
+    inline_max: int = inline.DEFAULT  # prefill: a push or hold of at most this many bytes travels inline (0: never)
     parallel_ranks: int = 1  # not a config key: worker ranks per instance (TP x PP), from vLLM's parallel config
 
     KEYS = (
@@ -53,6 +55,7 @@ class Settings:
         "listen",
         "lease",
         "consumer_listen",
+        "inline_max",
     )
 
     @classmethod
@@ -85,7 +88,10 @@ class Settings:
             listen=str(extra.get("listen") or ""),
             lease=float(extra.get("lease", 30.0)),
             consumer_listen=str(extra.get("consumer_listen") or "127.0.0.1:0"),
+            inline_max=int(extra.get("inline_max", inline.DEFAULT)),
         )
+        if not 0 <= s.inline_max <= inline.LIMIT:
+            raise ValueError(f"kvxfer: inline_max must be within [0, {inline.LIMIT}], got {s.inline_max}")
         if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1 or s.lease <= 0:
             raise ValueError("kvxfer: deadline, connect_timeout, lease, ship_threads and producer_workers must be > 0")
         for key in ("listen", "consumer_listen"):

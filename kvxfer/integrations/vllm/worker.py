@@ -215,6 +215,7 @@ class KVXferWorker:
                 transport_options=s.transport_options,
                 workers=s.producer_workers,
                 listen=s.listen or None,
+                inline_max=s.inline_max,
             )
         if self.fetch:
             # fetches land in blocks vLLM chose: the allocator grants nothing, so unsolicited pushes are Busy
