@@ -391,6 +391,8 @@ class Producer(HandleBase):
         t.inline = False
         if self._inline is None or t.senders > 1 or t.part_of is not None or t.override is not None:
             return b""
+        if t.kind == "push" and t.digests:  # a push's digests travel in its Done, which an inline push skips
+            return b""
         paging = s.link.paging()
         chunks = None if tokens is None else paging.chunks(tokens)
         if paging.nbytes(len(ids) if chunks is None else chunks) > self.inline_max:

@@ -132,3 +132,15 @@ def test_a_consumer_whose_frames_cannot_hold_an_inline_request_is_refused_at_con
     tensors, kw, _, _ = Spec().build()
     with pytest.raises(ConfigError, match="max_frame must hold an inline request"):
         Consumer(Spec().layout(tensors, kw), transport=transport, max_frame=inline.FRAME - 1)
+
+
+def test_a_small_push_with_digests_still_has_them_checked(consumers, transport):
+    """Per-block digests travel in a push's Done, which an inline push does not send: such a push moves over the
+    transport and its digests reach the consumer."""
+    spec = Spec()
+    consumer = consumers(spec)
+    with _producer(spec, transport, seed=4) as p:
+        t = p.push(consumer.address, "d", [2, 9], digests=True)
+        t.result(10)
+        assert not t.inline
+        assert len(consumer.get(10).digests) == 8
