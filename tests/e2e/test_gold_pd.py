@@ -131,8 +131,8 @@ class Config:
     prefill: object
     decode: object
     policy: str = "fail"  # the decode instance's kv_load_failure_policy
-    mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16), and one paging
-    # with another block size (PAGED_BLOCK tokens)
+    mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16, PAGED_BLOCK tokens
+    # per block, no prefix caching)
 
 
 def _kvx_prefill(transport: str) -> dict:
@@ -173,8 +173,7 @@ class PD:
     prefill: Server
     decode: Server
     router: str
-    mismatched: Server | None = None  # a decode instance whose KV layout differs (bfloat16)
-    paged: Server | None = None  # a decode instance paging PAGED_BLOCK tokens per block (no prefix caching)
+    mismatched: Server | None = None  # a decode instance whose KV layout differs (bfloat16, PAGED_BLOCK per block)
 
 
 REFERENCE: dict = {}  # the plain server's answers, computed once
@@ -212,13 +211,14 @@ def pd(request, single, model_dir, logs):
         if not REFERENCE:
             _reference(single)  # while the pair starts
         if cfg.mismatch:  # more servers once the plain one is gone
-            servers.append(Server(model_dir, logs, f"{name}-bf16", {**cfg.decode(), **role}, "--dtype", "bfloat16"))
             servers.append(
                 Server(
                     model_dir,
                     logs,
-                    f"{name}-bs{PAGED_BLOCK}",
+                    f"{name}-bf16",
                     {**cfg.decode(), **role},
+                    "--dtype",
+                    "bfloat16",
                     "--block-size",
                     str(PAGED_BLOCK),
                     "--no-enable-prefix-caching",
@@ -234,8 +234,7 @@ def pd(request, single, model_dir, logs):
             "--vllm-decode",
             servers[1].url,
         )
-        extra = (servers[2], servers[3]) if cfg.mismatch else (None, None)
-        yield PD(name, cfg, servers[0], servers[1], url, *extra)
+        yield PD(name, cfg, servers[0], servers[1], url, servers[2] if cfg.mismatch else None)
     finally:
         if router is not None:
             router.kill()
@@ -411,19 +410,21 @@ def test_gold_decode_with_another_block_size_recomputes_what_cpu_attention_packs
     """vLLM's CPU attention packs each block its own way ([2, block_size, head_size] per head, not what the
     tensor's shape says), so a decode instance paging 32 tokens per block cannot take a 128-token prefill's blocks
     token by token (tried, that gave wrong tokens). It refuses at once, with the reason, follows its
-    kv_load_failure_policy (recompute: its own tokens, computed locally), and both pools end full."""
-    assert pd.paged is not None
-    before = pd.paged.prompt_tokens()
+    kv_load_failure_policy (recompute: its own tokens, computed locally), and both pools end full. (That instance
+    also runs bfloat16: refused for its block size first, it never gets to the layout check.)"""
+    assert pd.mismatched is not None
+    paged = pd.mismatched
+    before = paged.prompt_tokens()
     prompts = [PROMPTS[i] for i in (1, 5, -3)]
     for prompt in prompts:
-        r = decode_with(pd.paged, prompt, hold(pd, prompt))
+        r = decode_with(paged, prompt, hold(pd, prompt))
         body = _follows_policy(pd, prompt, r, None)
         kv = body["kv_transfer_params"]["kvxfer"]
         assert kv["status"] == "failed" and "packs its blocks" in kv["error"], kv
-        assert token_ids(body) == token_ids(post(pd.paged.url, "/v1/completions", completion(prompt)))
-    delta = {k: v - before[k] for k, v in pd.paged.prompt_tokens().items()}
+        assert token_ids(body) == token_ids(post(paged.url, "/v1/completions", completion(prompt)))
+    delta = {k: v - before[k] for k, v in paged.prompt_tokens().items()}
     assert delta["external_kv_transfer"] == 0, delta
-    pd.paged.wait_pool_full()
+    paged.wait_pool_full()
     pd.prefill.wait_pool_full()  # every refused fetch ended its hold
 
 
