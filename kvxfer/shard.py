@@ -99,10 +99,14 @@ def check_shards(a: Fingerprint, a_heads: Heads, b: Fingerprint, b_heads: Heads)
     """Raise ``IncompatibleError`` unless ``a`` and ``b`` are caches of one model that differ only in which
     heads they hold (and each holds as many heads as it says)."""
     if not same_cache(a, b, "H", a_heads, b_heads):
-        raise IncompatibleError(
-            f"shards of different caches: {a.dtype} {a.order!r} ({a.num_layers} layers, block_size "
-            f"{a.block_size}) vs {b.dtype} {b.order!r} ({b.num_layers} layers, block_size {b.block_size})"
-        )
+        raise _different(a, b)
+
+
+def _different(a: Fingerprint, b: Fingerprint) -> IncompatibleError:
+    return IncompatibleError(
+        f"shards of different caches: {a.dtype} {a.order!r} ({a.num_layers} layers, block_size {a.block_size}) "
+        f"vs {b.dtype} {b.order!r} ({b.num_layers} layers, block_size {b.block_size})"
+    )
 
 
 def _head_bytes(layout: KVLayout, held: Heads, lo: int, hi: int):
@@ -117,8 +121,7 @@ def shard_pairing(a: KVLayout, a_heads: Heads, b: KVLayout, b_heads: Heads, head
     a_heads, b_heads = (int(a_heads[0]), int(a_heads[1])), (int(b_heads[0]), int(b_heads[1]))
     check_shards(a.fingerprint, a_heads, b.fingerprint, b_heads)
     lo, hi = heads or (max(a_heads[0], b_heads[0]), min(a_heads[1], b_heads[1]))
-    if not (a_heads[0] <= lo < hi <= a_heads[1] and b_heads[0] <= lo < hi <= b_heads[1]):
-        raise IncompatibleError(f"heads [{lo}, {hi}) are not held by both {list(a_heads)} and {list(b_heads)}")
+    _shared("heads", lo, hi, a_heads, b_heads)
     return pair(a, b, _head_bytes(a, a_heads, lo, hi), _head_bytes(b, b_heads, lo, hi))
 
 
@@ -166,10 +169,7 @@ def check_pair(a: KVLayout, b: KVLayout, tokens: bool = False) -> None:
             f"blocks of {fa.block_size} tokens ({fa.dtype} {fa.order!r}) do not map onto blocks of "
             f"{fb.block_size} tokens ({fb.dtype} {fb.order!r})"
         )
-    raise IncompatibleError(
-        f"shards of different caches: {fa.dtype} {fa.order!r} ({fa.num_layers} layers, block_size {fa.block_size}) "
-        f"vs {fb.dtype} {fb.order!r} ({fb.num_layers} layers, block_size {fb.block_size})"
-    )
+    raise _different(fa, fb)
 
 
 def _shared(what: str, lo: int, hi: int, a: tuple[int, int], b: tuple[int, int]) -> None:
