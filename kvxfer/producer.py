@@ -139,6 +139,7 @@ class Producer(HandleBase):
         self._connecting: dict[str, threading.Lock] = {}
         self._fetchers: set[_ProducerSession] = set()  # sessions consumers opened to fetch
         self._holds: dict[str, Transfer] = {}
+        self._launching: set[Transfer] = set()  # waiting for a worker or a session: the reaper ends them in time
         self.address: str | None = None
         self._listener: socket.socket | None = None
         if where is not None:
@@ -277,6 +278,9 @@ class Producer(HandleBase):
     def _enroll(self, t: Transfer) -> _ProducerSession:
         s = self._session(t.address, t.deadline)
         with self._lock:
+            self._launching.discard(t)
+            if t.done():  # the reaper ended it (its deadline) while it waited for the session
+                raise t.error or DeadlineError(f"{t.kind} of {t.req!r} ended before its session was up")
             if t.req in s.transfers:
                 raise BlockError(f"request {t.req!r} is already in flight to {t.address}")
             s.transfers[t.req] = t
@@ -297,6 +301,8 @@ class Producer(HandleBase):
         with self._lock:
             s = self._sessions.get(t.address)
             ready = s is not None and s.alive
+            if not ready:
+                self._launching.add(t)
         if ready:
             run()
         else:
@@ -567,6 +573,11 @@ class Producer(HandleBase):
             sessions = [*self._sessions.values(), *self._fetchers]
             live = [(s, t) for s in sessions for t in s.transfers.values()]
             unfetched = [t for t in self._holds.values() if t.fetcher is None and t.deadline <= now]
+            late = [t for t in self._launching if t.deadline <= now]
+            self._launching.difference_update(late)
+        for t in late:  # every worker busy, or its handshake slow: it still ends at its deadline
+            err = LeaseExpiredError if t.kind == "pull" else DeadlineError
+            self._end(t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline before its session was up"))
         for t in unfetched:
             self._end(t, LeaseExpiredError(f"hold of {t.req!r} expired: no consumer fetched it"))
         for s, t in live:

@@ -202,6 +202,30 @@ def test_close_ends_everything(consumers, transport):
     assert consumer.arrivals.empty()
 
 
+def test_a_transfer_waiting_for_a_busy_worker_ends_at_its_own_deadline(transport):
+    """Every worker of the producer is busy (here its only one, handshaking with a consumer that never answers): a
+    push queued for a worker, to another address, still ends at its own deadline, not when a worker frees up."""
+    import socket
+
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    first, other = (f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
+    producer, _ = _local_producer(Spec(num_blocks=8), transport, connect_timeout=5.0, workers=1)
+    try:
+        slow = producer.push(first, "first", [0], deadline=4.0)
+        time.sleep(0.2)  # the only worker is handshaking
+        start = time.monotonic()
+        quick = producer.push(other, "second", [1], deadline=0.5)
+        with pytest.raises(DeadlineError):
+            quick.wait(3.0)
+        assert time.monotonic() - start < 1.5, "the queued push waited for a worker"
+        with pytest.raises(DeadlineError):
+            slow.wait(6.0)
+    finally:
+        producer.close()
+        for s in silent:
+            s.close()
+
+
 def test_a_transfer_queued_behind_a_hung_handshake_ends_at_its_own_deadline(transport):
     """A consumer that accepts and never answers: the first push waits out its long handshake timeout, and a
     second push to it, with a short deadline, waiting for that handshake, ends at its own deadline anyway."""
