@@ -193,6 +193,8 @@ class Consumer(HandleBase):
         deadline: float | None = None,
         tokens: int | None = None,
         from_token: int | None = None,
+        readers: int = 1,
+        partial: bool = False,
     ) -> Fetch:
         """Read blocks ``[skip, skip + len(block_ids))`` of what the producer at ``address`` holds as ``req``
         (``Producer.hold``) into this consumer's ``block_ids``, chosen by the caller (never taken from or given
@@ -201,8 +203,14 @@ class Consumer(HandleBase):
         paging with other tokens per block offers the blocks holding ``tokens`` tokens (default: all our blocks
         full) from its block ``skip`` on, at most its hold's last token: ``block_ids`` must be the blocks of ours
         that hold what it offers. ``from_token`` says where to start in tokens instead of ``skip`` (it must
-        start one of the producer's blocks), for a caller that does not know the producer's block size."""
-        return self.fetches.start(address, req, block_ids, skip, deadline, tokens, from_token)
+        start one of the producer's blocks), for a caller that does not know the producer's block size.
+
+        Parallel ranks: a producer holding only some of our heads or layers (a tensor- or pipeline-parallel prefill
+        rank) fills only those bytes of ``block_ids``: the caller says ``partial=True`` and fetches the others from
+        the other ranks (``kvxfer.shard.sources`` says which), else it is ``IncompatibleError``. A hold that
+        several consumers fetch (decode ranks, each its heads) is fetched by each with ``readers`` set to their
+        number: the producer keeps it until that many fetches ended."""
+        return self.fetches.start(address, req, block_ids, skip, deadline, tokens, from_token, readers, partial)
 
     def decline(self, address: str, req: str, reason: str = "not needed") -> None:
         """Tell the producer at ``address`` that its hold ``req`` will not be fetched, so it frees the blocks
@@ -637,6 +645,7 @@ class Consumer(HandleBase):
                     per_block=per_block,
                 )
             else:
+                covered = coverage(s.peer.layout, self.layout)
                 if n != len(fetch.ids):
                     raise BlockError(
                         f"request {msg.req!r}: the {len(src)} blocks offered fill {n} of ours, {len(fetch.ids)} fetched"
@@ -653,10 +662,11 @@ class Consumer(HandleBase):
                         dict(msg.meta),
                         msg.digests,
                         one_sided=s.transport.one_sided,
-                        ranges=coverage(s.peer.layout, self.layout),
+                        ranges=covered,
                         ids=fetch.ids,
                         chunks=chunks,
                         per_block=per_block,
+                        partial=fetch.partial,
                     ),
                 )
                 if slot is None:

@@ -24,12 +24,14 @@ from .errors import (
     ClosedError,
     ConfigError,
     DeadlineError,
+    IncompatibleError,
     KVXferError,
     PeerError,
     from_code,
 )
 from .lifecycle import deadline_in, gate
 from .plan import check_ids
+from .shard import coverage
 from .transfer import Status, Transfer
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ class Fetch(Transfer):
         self.ids = ids
         self.skip = skip
         self.from_token: int | None = None  # where to start, in tokens (skip follows once the producer is known)
+        self.readers = 1  # consumers fetching the same hold, each its own heads or layers (the producer counts them)
+        self.partial = False  # the caller gathers the rest of its blocks' bytes from other producer ranks
         self.slot: Slot | None = None  # the ledger's slot once the producer offered the blocks
         self.session: _ConsumerSession | None = None
 
@@ -80,6 +84,8 @@ class Fetches:
         deadline: float | None,
         tokens: int | None = None,
         from_token: int | None = None,
+        readers: int = 1,
+        partial: bool = False,
     ) -> Fetch:
         c = self.c
         c._check_open()
@@ -94,10 +100,13 @@ class Fetches:
         bs = c.layout.fingerprint.block_size
         if tokens is not None and not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
             raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
+        if not 1 <= int(readers) <= wire.MAX_READERS:
+            raise BlockError(f"readers must be within [1, {wire.MAX_READERS}], got {readers}")
         seconds = c.deadline if deadline is None else deadline
         f = Fetch(str(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
         f.tokens = len(ids) * bs if tokens is None else int(tokens)
         f.from_token = None if from_token is None else int(from_token)
+        f.readers, f.partial = int(readers), bool(partial)
         f._on_cancel = self._cancelled
         with self.lock:
             if f.req in self.by_req:
@@ -173,6 +182,13 @@ class Fetches:
                     raise PeerError(f"producer {f.address} closed the session")
                 f.session = s
                 s.fetches[f.req] = f
+            layout = self.c.layout
+            covered = coverage(s.peer.layout, layout)
+            if not f.partial and int((covered[:, 1] - covered[:, 0]).sum()) != layout.block_bytes:
+                raise IncompatibleError(
+                    f"producer {f.address} holds only some of the heads or layers of our blocks: fetch each of "
+                    "its parallel ranks with partial=True"
+                )
             paging = s.link.paging()
             if f.from_token is not None:  # the caller counts in tokens: the producer's blocks, now that we know them
                 if f.from_token % paging.src_block:
@@ -181,16 +197,21 @@ class Fetches:
                     )
                 f.skip = f.from_token // paging.src_block
             if paging.k == 1:
-                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt)
+                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=len(f.ids), attempt=f.attempt, readers=f.readers)
             else:  # blocks of other sizes: ask for our tokens (the producer offers at most what it holds)
                 tokens = f.tokens or len(f.ids) * paging.dst_block
                 n = paging.src_blocks(tokens)
-                ask = wire.Fetch(req=f.req, skip=f.skip, num_blocks=n, attempt=f.attempt, tokens=tokens)
+                ask = wire.Fetch(
+                    req=f.req, skip=f.skip, num_blocks=n, attempt=f.attempt, tokens=tokens, readers=f.readers
+                )
             if not s.send(ask):
                 raise PeerError(f"producer {f.address} is gone")
             log.debug("kvxfer fetch %s: asked %s on session %d", f.req, f.address, s.sid)
         except KVXferError as e:
             self.end(f, ClosedError("consumer closed") if self.c.closed else e)
+        except Exception as e:  # a bug here must still end the fetch, typed, not leave it to its deadline
+            log.exception("kvxfer fetch %s", f.req)
+            self.end(f, PeerError(f"fetch failed: {e!r}"))
 
     # ---- answers ----------------------------------------------------------------------------------------
     def pending(self, s: _ConsumerSession, req: str) -> Fetch | None:

@@ -184,6 +184,7 @@ class Grants:
         ids: np.ndarray | None = None,
         chunks: int | None = None,
         per_block: int = 1,
+        partial: bool = False,
     ) -> tuple[Slot, list[Slot]]:
         """Grant ``n`` blocks or raise ``BusyError``; returns the slot and any older slot it superseded.
 
@@ -197,6 +198,8 @@ class Grants:
         instead of the allocator's and never given to it (``take_freed`` reports them). ``chunks``: the producer
         pages the request with other tokens per block (``paging``): it fills ``chunks`` chunks, ``per_block`` to
         each of our blocks (the last one perhaps partly), so ``n`` blocks hold up to ``n * per_block`` chunks.
+        ``partial``: a fetch whose caller gathers the other bytes of its blocks itself (one of several producer
+        ranks holding other heads or layers) may fill only ``ranges``.
         """
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
@@ -207,7 +210,8 @@ class Grants:
         r = self._check_ranges(req, senders, part, ranges)
         if chunks is not None and not (n - 1) * per_block < chunks <= n * per_block:
             raise BlockError(f"request {req!r}: {chunks} chunks do not fill {n} blocks of {per_block} chunks")
-        if senders == 1 and (part != 0 or int((r[:, 1] - r[:, 0]).sum()) != self.block_bytes):
+        mine = int((r[:, 1] - r[:, 0]).sum())
+        if senders == 1 and (part != 0 or (mine != self.block_bytes and not (partial and ids is not None))):
             raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []
         old = self.active.get(req)
@@ -226,6 +230,8 @@ class Grants:
             mine = sum(1 for s in self.active.values() if peer in s.live_peers)
             if mine >= self.max_inflight_per_peer:
                 raise BusyError(f"{mine} requests of this producer in flight", self.retry_after)
+        per_slot = (n if chunks is None else chunks) * (mine if senders == 1 else self.block_bytes)
+        per_slot //= per_block if chunks is not None else 1
         external = ids is not None
         if ids is not None:
             if len(ids) != n:
@@ -239,7 +245,7 @@ class Grants:
             next(_generations),
             peer,
             np.asarray(ids, dtype=np.int64),
-            (n if chunks is None else chunks) * self.block_bytes // (1 if chunks is None else per_block),
+            per_slot,
             deadline,
             senders=senders,
             live_peers={peer},
@@ -271,6 +277,7 @@ class Grants:
         ranges: np.ndarray | None = None,
         chunks: int | None = None,
         per_block: int = 1,
+        partial: bool = False,
     ) -> Slot:
         """Admit an offer this consumer will read: blocks to read into (``ids`` for a fetch), named to the
         producer by its lease; ``ranges``: the bytes of every block the offer fills (it must fill them all)."""
@@ -286,6 +293,7 @@ class Grants:
             ranges=ranges,
             chunks=chunks,
             per_block=per_block,
+            partial=partial,
         )
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot

@@ -37,7 +37,7 @@ from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, gate, ms
 from .plan import check_ids
-from .shard import Selection, held, held_layers
+from .shard import Selection, held, held_layers, sharded, staged
 from .sockets import close as close_socket
 from .transfer import Status, Transfer, _attempts
 from .transports.base import Peer, Transport
@@ -439,7 +439,7 @@ class Producer(HandleBase):
                 ids=wire.ids_to_bytes(t.src_ids),
                 lease_ms=ms(seconds),
                 meta=t.meta,
-                digests=t.digests,
+                digests=self._digests(s, t.digests),
                 tokens=tokens,
                 data=self._packed(s, t, t.src_ids, tokens),
             )
@@ -485,7 +485,9 @@ class Producer(HandleBase):
     def _fetch(self, s: _ProducerSession, msg: wire.Fetch) -> None:
         """A consumer asks for blocks of a hold: offer them on its session, under what is left of the lease.
         A consumer paging with other tokens per block asks for tokens from block ``skip`` on: it gets the hold's
-        blocks that hold them, up to the hold's last token."""
+        blocks that hold them, up to the hold's last token. A hold that several consumers read (each its own
+        heads or layers: tensor-parallel decode ranks) gets one read per fetch, as many as the first fetch said
+        (``readers``), and ends once every read ended."""
         error: KVXferError | None = None
         paging = s.link.paging()
         with self._lock:
@@ -497,7 +499,11 @@ class Producer(HandleBase):
                 n = paging.src_blocks(tokens) if tokens > 0 else 0
             if t is None or t.done():
                 error = StaleError(f"no hold for request {msg.req!r} (never held, fetched, expired or cancelled)")
-            elif t.fetcher is not None:
+            elif t.readers and msg.readers != t.readers:
+                error = BlockError(
+                    f"request {msg.req!r}: a fetch for {msg.readers} readers of a hold fetched by {t.readers}"
+                )
+            elif t.fetcher is not None or len(t.reads) >= msg.readers:
                 error = StaleError(f"request {msg.req!r} is already being fetched")
             elif n == 0 or msg.skip + n > len(t.src_ids):
                 error = BlockError(
@@ -506,34 +512,51 @@ class Producer(HandleBase):
             elif msg.req in s.transfers:
                 error = BlockError(f"request {msg.req!r} is already in flight on this session")
             else:
-                t.fetcher = s
-                s.transfers[t.req] = t
+                t.readers = msg.readers
+                r = t if t.readers == 1 else self._read_of(t, s)
+                r.fetcher = s
+                s.transfers[t.req] = r
         if error is not None:
             s.send(wire.Error(req=msg.req, code=error.code, message=str(error), attempt=msg.attempt))
             return
         assert t is not None
-        log.debug("kvxfer hold %s: fetched by %s", t.req, s.address)
+        log.debug("kvxfer hold %s: fetched by %s", r.req, s.address)
         now = time.monotonic()
-        ids = t.src_ids[msg.skip : msg.skip + n]
-        seconds = max(0.0, t.deadline - now)
-        t.chunks = None if tokens is None else paging.chunks(tokens)
-        t.gen = self.leases.offer(s.peer.session, t.req, ids, seconds, now, t.chunks).gen
+        ids = r.src_ids[msg.skip : msg.skip + n]
+        seconds = max(0.0, r.deadline - now)
+        r.chunks = None if tokens is None else paging.chunks(tokens)
+        r.gen = self.leases.offer(s.peer.session, r.req, ids, seconds, now, r.chunks).gen
         t._mark(Status.MOVING, "admitted")
-        # per-block digests cannot follow blocks that change size: a fetcher paging differently goes without
-        digests = t.digests[4 * msg.skip : 4 * (msg.skip + n)] if paging.k == 1 else b""
+        r._mark(Status.MOVING, "admitted")
+        digests = self._digests(s, r.digests[4 * msg.skip : 4 * (msg.skip + n)])
         s.transport.expect()
         s.send(
             wire.Offer(
-                req=t.req,
-                gen=t.gen,
+                req=r.req,
+                gen=r.gen,
                 ids=wire.ids_to_bytes(ids),
                 lease_ms=ms(seconds),
-                meta=t.meta,
+                meta=r.meta,
                 digests=digests,
                 tokens=tokens,
-                data=self._packed(s, t, ids, tokens),
+                data=self._packed(s, r, ids, tokens),
             )
         )
+
+    def _digests(self, s: _ProducerSession, digests: bytes) -> bytes:
+        """Per-block digests cover whole blocks: a consumer whose blocks hold other bytes (other tokens per block,
+        other heads or layers) goes without."""
+        if not digests or s.link.paging().k != 1 or sharded(self.layout, s.peer.layout):
+            return b""
+        return b"" if staged(self.layout, s.peer.layout) else digests
+
+    def _read_of(self, t: Transfer, s: _ProducerSession) -> Transfer:
+        """A read of hold ``t`` (under ``_lock``) by one of its several readers: a transfer of its own."""
+        r = Transfer(t.req, "hold", s.address, t.src_ids, self.layout.block_bytes, t.deadline)
+        r.meta, r.digests, r.tokens, r.hold = t.meta, t.digests, t.tokens, t
+        r._on_cancel = self._cancelled
+        t.reads.append(r)
+        return r
 
     # ---- ending -----------------------------------------------------------------------------------------
     def _session_of(self, t: Transfer) -> _ProducerSession | None:
@@ -552,13 +575,22 @@ class Producer(HandleBase):
                 del self._holds[t.req]
         if t._finish(error, status) and error is not None:
             log.debug("kvxfer %s %s failed: %s", t.kind, t.req, error)
+        hold = t.hold
+        if hold is not None:  # one read of a hold several consumers read: it ends with its last read
+            with self._lock:
+                last = len(hold.reads) == hold.readers and all(r.done() for r in hold.reads)
+            if last:
+                self._end(hold, next((r.error for r in hold.reads if r.error is not None), None))
 
     def _cancelled(self, t: Transfer, reason: str) -> None:
         with self._lock:
             s = self._session_of(t)
+            reads = list(t.reads)
         self._end(t, t.error, Status.CANCELLED)
         if s is not None and s.alive:
             s.send(wire.Cancel(req=t.req, gen=t.gen, reason=reason))
+        for r in reads:  # a hold several consumers read: each read stops too
+            r.cancel(reason)
 
     def _fail(self, s: _ProducerSession, t: Transfer, error: KVXferError, tell: bool = True) -> None:
         self._end(t, error)
@@ -572,14 +604,11 @@ class Producer(HandleBase):
         with self._lock:
             sessions = [*self._sessions.values(), *self._fetchers]
             live = [(s, t) for s in sessions for t in s.transfers.values()]
-            unfetched = [t for t in self._holds.values() if t.fetcher is None and t.deadline <= now]
             late = [t for t in self._launching if t.deadline <= now]
             self._launching.difference_update(late)
         for t in late:  # every worker busy, or its handshake slow: it still ends at its deadline
             err = LeaseExpiredError if t.kind == "pull" else DeadlineError
             self._end(t, err(f"{t.kind} of {t.req!r} to {t.address} passed its deadline before its session was up"))
-        for t in unfetched:
-            self._end(t, LeaseExpiredError(f"hold of {t.req!r} expired: no consumer fetched it"))
         for s, t in live:
             if t.deadline <= now:
                 err = LeaseExpiredError if t.kind in ("pull", "hold") else DeadlineError
@@ -590,6 +619,11 @@ class Producer(HandleBase):
             elif t.retry_at and t.retry_at <= now and not t.done():
                 t.retry_at, t.attempt = 0.0, next(_attempts)
                 self._admit(s, t)
+        with self._lock:
+            unfetched = [t for t in self._holds.values() if t.fetcher is None and t.deadline <= now]
+        for t in unfetched:  # after its reads above: a hold ends only with (or after) them
+            who = f"{len(t.reads)} of its {t.readers} readers" if t.reads else "no consumer"
+            self._end(t, LeaseExpiredError(f"hold of {t.req!r} expired: {who} fetched it"))
 
     # ---- control messages -------------------------------------------------------------------------------
     def _on_message(self, s: _ProducerSession, msg) -> None:
@@ -604,7 +638,7 @@ class Producer(HandleBase):
             if isinstance(msg, wire.Cancel):  # a consumer that will not fetch after all: the hold ends now
                 with self._lock:
                     hold = self._holds.get(req)
-                if hold is not None and hold.fetcher is None:
+                if hold is not None and hold.fetcher is None and not hold.reads:
                     self._end(
                         hold, CancelledError(f"consumer {s.address} cancelled {req!r}: {msg.reason}"), Status.CANCELLED
                     )
@@ -684,7 +718,7 @@ class Producer(HandleBase):
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
-        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=t.digests))
+        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=self._digests(s, t.digests)))
 
     def _released(self, s: _ProducerSession, t: Transfer, msg: wire.Released) -> None:
         now = time.monotonic()

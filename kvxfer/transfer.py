@@ -69,6 +69,9 @@ class Transfer:
         self.busy_retries = 0  # Busy answers retried so far
         self.ticket: dict[str, Any] | None = None  # a hold: what a fetching consumer needs (JSON-safe)
         self.fetcher: Any = None  # a hold: the session of the consumer fetching it
+        self.readers = 0  # a hold: how many consumers fetch it (their Fetch says; 0 until the first came)
+        self.reads: list[Transfer] = []  # a hold fetched by several readers: one transfer per fetch
+        self.hold: Transfer | None = None  # one of those reads: the hold it reads
 
     def __repr__(self) -> str:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"

@@ -48,6 +48,8 @@ _LEN = struct.Struct(">I")
 U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
 U63 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # counts, lengths, offsets: int64 arithmetic never wraps
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 48)]  # a request's tokens: at least one
+MAX_READERS = 1024  # consumers that may fetch one hold (each its heads or layers: tensor-parallel decode ranks)
+Readers = Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack holds nothing above 2**64 - 1
 Device = Annotated[int, msgspec.Meta(ge=-1, le=(1 << 31) - 1)]
 Name = Annotated[str, msgspec.Meta(max_length=1 << 16)]
@@ -227,6 +229,8 @@ class Fetch(_Msg, tag="fetch"):
     attempt: U63 = 0
     tokens: Tokens | None = None  # the two sides page differently: the tokens wanted from hold block ``skip`` on
     # (the offer holds at most what the hold has)
+    readers: Readers = 1  # consumers that fetch this hold, each once (the first fetch sets it; the hold ends after
+    # that many reads)
 
 
 class Done(_Msg, tag="done"):

@@ -7,6 +7,10 @@ consumer (in the test process) holding its own heads. For every decode rank, the
 ``shard.sources`` names push their share of the request's heads, each as one part of a multi-sender request; the
 decode rank's blocks, read back, must equal the reference's heads for those blocks, and every other block must stay
 untouched. A replicated head is shipped once. Over tcp and nixl, per-layer HND and NHD caches.
+
+The same shapes by fetch: every prefill rank holds the request (under an id of its own), every decode rank fetches
+its heads from the ranks ``shard.sources`` names into blocks it chose (``partial`` when a rank holds only some of
+them), each hold counting the decode ranks that read it (``readers``); a hold no decode rank reads is declined.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import numpy as np
 import pytest
 
 from conformance.peers import wait_for
-from kvxfer import BlockError, Consumer, IncompatibleError, KVLayout, Producer
+from kvxfer import BlockError, Consumer, IncompatibleError, KVLayout, KVXferError, Producer
 from kvxfer.shard import heads_of, sources
 from procs import PipedProcess, RemoteError, outcome, serve
 
@@ -50,13 +54,23 @@ def _rank_main(conn, transport: str) -> None:
             state.pop("producer").close()
         held = heads_of(rank, tp, heads)
         state["tensors"] = shard(reference(kind, heads), kind, held)
-        state["producer"] = Producer(layout(state["tensors"], kind, held), transport=transport)
+        state["producer"] = Producer(
+            layout(state["tensors"], kind, held), transport=transport, listen="127.0.0.1:0", inline_max=0
+        )
+        state["holds"] = {}
         return list(held)
 
     def push(address: str, req: str, senders: int, part: int, heads) -> dict:
         return outcome(state["producer"].push(address, req, SRC, senders=senders, part=part, heads=heads, deadline=10))
 
-    serve(conn, True, {"setup": setup, "push": push})
+    def hold(req: str, lease: float, digests: bool = False) -> str:
+        state["holds"][req] = state["producer"].hold(req, SRC, lease=lease, digests=digests)
+        return state["producer"].address
+
+    def held(req: str) -> dict:
+        return outcome(state["holds"].pop(req))
+
+    serve(conn, True, {"setup": setup, "push": push, "hold": hold, "held": held})
 
 
 class Rank(PipedProcess):
@@ -230,3 +244,103 @@ def test_hostile_admissions_between_shards_are_refused_and_leak_nothing(transpor
     finally:
         liar.close()
         consumer.close()
+
+
+def _readers(p: int, d: int, heads: int) -> dict[int, int]:
+    """Prefill rank -> how many decode ranks fetch from it."""
+    n: dict[int, int] = {}
+    for c in range(d):
+        for r, _ in sources(c, d, p, heads):
+            n[r] = n.get(r, 0) + 1
+    return n
+
+
+FETCH_CASES = [(8, 2, 1), (8, 1, 2), (8, 4, 2), (8, 2, 4), (2, 4, 1), (2, 1, 4)]
+
+
+@pytest.mark.parametrize("kind", ["hnd", "nhd"])
+@pytest.mark.parametrize("heads,p,d", FETCH_CASES, ids=[f"H{h}-tp{p}-into-tp{d}" for h, p, d in FETCH_CASES])
+def test_decode_ranks_fetch_their_heads_from_prefill_rank_holds(ranks, kind, heads, p, d):
+    transport, procs = ranks
+    for r in range(p):
+        procs[r].call("setup", kind, heads, r, p)
+    full = reference(kind, heads)
+    readers = _readers(p, d, heads)
+    # digests cover a prefill rank's whole blocks: a decode rank holding other heads fetches without them
+    addresses = [procs[r].call("hold", f"req@{r}", 20, True) for r in range(p)]
+    decode = [_decode_rank(transport, kind, heads, c, d) for c in range(d)]
+    dst = np.array([20, 3, 7, 0, 14])
+    try:
+        fetches = []
+        for c, (consumer, _) in enumerate(decode):
+            parts = sources(c, d, p, heads)
+            for r, _ in parts:
+                fetches.append(
+                    consumer.fetch(
+                        addresses[r], f"req@{r}", dst, readers=readers[r], partial=len(parts) > 1, deadline=10
+                    )
+                )
+        for r in range(p):
+            if r not in readers:  # a replica no decode rank reads: its prefill frees it now
+                decode[0][0].decline(addresses[r], f"req@{r}", "a replica another rank holds")
+        for f in fetches:
+            f.wait(15)
+        for r in range(p):
+            want = "done" if r in readers else "cancelled"
+            assert procs[r].call("held", f"req@{r}")["status"] == want, f"prefill rank {r}'s hold"
+        others = np.setdiff1d(np.arange(NUM_BLOCKS), dst)
+        for c, (_, tensors) in enumerate(decode):
+            want = shard(full, kind, heads_of(c, d, heads))
+            for got, ref in zip(tensors, want, strict=True):
+                assert np.array_equal(got[dst].view(np.uint16), ref[SRC].view(np.uint16))
+                assert not got[others].view(np.uint16).any(), "bytes landed outside the fetched blocks"
+    finally:
+        for consumer, _ in decode:
+            consumer.close()
+
+
+def test_a_fetch_from_a_rank_holding_some_of_our_heads_must_say_partial(ranks):
+    """A decode rank holding every head fetching one prefill rank's half without ``partial`` would get blocks
+    half filled: refused, and the hold is still there for a fetch that says it."""
+    transport, procs = ranks
+    procs[0].call("setup", "nhd", 8, 0, 2)
+    address = procs[0].call("hold", "half", 20)
+    consumer, tensors = _decode_rank(transport, "nhd", 8, 0, 1)
+    try:
+        with pytest.raises(IncompatibleError, match="partial=True"):
+            consumer.fetch(address, "half", [1, 2, 3, 4, 5], deadline=10).wait(15)
+        consumer.fetch(address, "half", [1, 2, 3, 4, 5], partial=True, deadline=10).wait(15)
+        assert procs[0].call("held", "half")["status"] == "done"
+        want = shard(reference("nhd", 8), "nhd", (0, 4))
+        for got, ref in zip(tensors, want, strict=True):
+            assert np.array_equal(got[1:6, :, :4].view(np.uint16), ref[SRC].view(np.uint16))
+            assert not got[:, :, 4:].view(np.uint16).any(), "heads the rank does not hold were written"
+    finally:
+        consumer.close()
+
+
+def test_a_hold_read_by_several_decode_ranks_ends_after_the_last_read(ranks):
+    """One prefill rank, two decode ranks each reading their heads: the hold stays after the first read, a third
+    fetch or one disagreeing on the number of readers is refused, and the hold ends done after the second."""
+    transport, procs = ranks
+    procs[0].call("setup", "hnd", 4, 0, 1)
+    address = procs[0].call("hold", "two", 20)
+    decode = [_decode_rank(transport, "hnd", 4, c, 2) for c in range(2)]
+    third, _ = _decode_rank(transport, "hnd", 4, 0, 2)
+    try:
+        decode[0][0].fetch(address, "two", [0, 1, 2, 3, 4], readers=2, deadline=10).wait(15)
+        with pytest.raises(BlockError, match="readers"):
+            third.fetch(address, "two", [0, 1, 2, 3, 4], readers=3, deadline=10).wait(15)
+        decode[1][0].fetch(address, "two", [5, 6, 7, 8, 9], readers=2, deadline=10).wait(15)
+        assert procs[0].call("held", "two") == {"status": "done", "error": None}
+        with pytest.raises(KVXferError):
+            third.fetch(address, "two", [0, 1, 2, 3, 4], readers=2, deadline=10).wait(15)
+        full = reference("hnd", 4)
+        for c, ids in ((0, slice(0, 5)), (1, slice(5, 10))):
+            want = shard(full, "hnd", heads_of(c, 2, 4))
+            for got, ref in zip(decode[c][1], want, strict=True):
+                assert np.array_equal(got[ids].view(np.uint16), ref[SRC].view(np.uint16))
+    finally:
+        third.close()
+        for consumer, _ in decode:
+            consumer.close()
