@@ -151,23 +151,17 @@ def _wait_ended(w, rid: str, timeout: float = 15.0):
     raise AssertionError(f"{rid} never ended on the worker")
 
 
-@pytest.mark.parametrize(
-    "role,tp,pp,match",
-    [
-        ("kv_consumer", 2, 1, "only kv_role 'kv_producer'"),
-        ("kv_both", 2, 1, "only kv_role"),
-        ("kv_consumer", 1, 2, "only kv_role"),
-    ],
-)
-def test_what_stays_refused_under_parallelism_says_so(vh, role, tp, pp, match):
-    from kvxfer.integrations.vllm import KVXferConnector
-
-    vc = vh.make_vllm_config(vh.kvxfer_ktc(role=role, transport="tcp"))
-    vc.parallel_config.tensor_parallel_size = tp
-    vc.parallel_config.pipeline_parallel_size = pp
+def test_an_mla_model_under_both_tp_and_pp_is_refused_with_the_reason(vh, monkeypatch):
+    from vllm.config import ModelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    with pytest.raises(ValueError, match=match):
+    from kvxfer.integrations.vllm import KVXferConnector
+
+    monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))
+    vc = vh.make_vllm_config(vh.kvxfer_ktc(role="kv_consumer", transport="tcp"))
+    vc.parallel_config.tensor_parallel_size = 2
+    vc.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="MLA model under both tensor and pipeline parallelism"):
         KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
 
 
@@ -223,17 +217,160 @@ def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch,
         consumer.close()
 
 
-def test_a_hold_claim_under_tensor_parallelism_is_answered_not_held_with_the_reason(vh):
-    """The scheduler side knows the TP size: a claim naming no consumer (a hold for a fetch) is refused with a
-    reason, and a push claim is taken."""
+def _free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive ports free on loopback (a parallel prefill's ranks listen on them)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        socks = []
+        try:
+            for k in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no run of free ports")
+
+
+def _instance(vh, role: str, tp: int, pp: int, heads_of_rank, blocks: int, fill, **extra):
+    """One vLLM instance's worker ranks, as vLLM makes them: rank ``pp_rank * tp + tp_rank`` registers its heads
+    (``heads_of_rank(tp_rank)``) of its stage's layers, filled by ``fill(name, tp_rank, tensor)``."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    per_stage = len(vh.LAYERS) // pp
+    workers, caches = [], []
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            vc = vh.make_vllm_config(vh.kvxfer_ktc(role=role, transport="tcp", deadline=10, **extra))
+            vc.parallel_config.tensor_parallel_size, vc.parallel_config.pipeline_parallel_size = tp, pp
+            vc.parallel_config.rank = pp_rank * tp + tp_rank
+            names = vh.LAYERS[pp_rank * per_stage : (pp_rank + 1) * per_stage]
+            h0, h1 = heads_of_rank(tp_rank)
+            kvc = _cache_config(vh, vc, h1 - h0, blocks, names)
+            kv = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC)
+            for name, t in kv.items():
+                fill(name, (h0, h1), t)
+            w = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+            w.register_kv_caches(kv)
+            workers.append(w)
+            caches.append(kv)
+    return workers, caches
+
+
+def _wait_recved(w, rid: str, timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        _, recving = w.get_finished(set())
+        if recving and rid in recving:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} never reported received")
+
+
+PD_CASES = [(2, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 1, 4, 1), (1, 2, 1, 1), (2, 2, 1, 2)]
+
+
+@pytest.mark.parametrize("p,q,d,r", PD_CASES, ids=[f"tp{p}pp{q}-into-tp{d}pp{r}" for p, q, d, r in PD_CASES])
+def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, p, q, d, r):
+    """A prefill of TP ``p`` x PP ``q`` holds a request on every rank (``ranks``: rank g listens on the port + g
+    and holds ``<id>@<g>``); a decode of TP ``d`` x PP ``r`` gets one fetch order per rank, as the rank-agnostic
+    scheduler sends it, and each decode rank fetches its heads of its layers from the prefill ranks holding them
+    (with 2 kv heads, TP 4 replicates each head on two ranks: the unread replicas are declined). Every decode
+    rank's blocks equal the reference's; every prefill rank's hold ends done or declined, and every decode rank
+    reports the request received."""
+    vh.init_single_process_world(vh.make_vllm_config(None))
+    from kvxfer.integrations.vllm import FetchOrder, KVXferConnectorMetadata, ShipOrder
+    from kvxfer.shard import heads_of
+
+    H, blocks, block = vh.KV_HEADS, 12, vh.make_vllm_config(None).cache_config.block_size
+    g = torch.Generator().manual_seed(p * 100 + q * 10 + d)
+    full = {
+        n: torch.randint(-3000, 3000, (blocks, H, block, 2 * vh.HEAD), generator=g, dtype=torch.int16)
+        for n in vh.LAYERS
+    }
+
+    def reference(name, hs, t):  # vLLM's CPU view: [blocks, kv heads, block, K|V]
+        t.view(torch.int16).copy_(full[name][:, hs[0] : hs[1]])
+
+    def zero(name, hs, t):
+        t.zero_()
+
+    base = _free_ports(p * q)
+    prefill, _ = _instance(
+        vh, "kv_producer", p, q, lambda k: heads_of(k, p, H), blocks, reference, listen=f"127.0.0.1:{base}"
+    )
+    decode, dcaches = _instance(vh, "kv_consumer", d, r, lambda k: heads_of(k, d, H), blocks, zero)
+    try:
+        src, dst = [3, 7, 1], [9, 0, 4]
+        hold = ShipOrder("p1", "tp-hold", "", src, 3 * block, 1, 10.0, False, {}, lease_expires=time.time() + 20)
+        for w in prefill:
+            w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(hold)]))
+            w.wait_for_save()
+            w.clear_connector_metadata()
+        order = FetchOrder(
+            "d1", "tp-hold", f"127.0.0.1:{base}", dst, 0, 3 * block, block, "", time.time() + 20, 10.0, (p, q)
+        )
+        for w in decode:
+            w.bind_connector_metadata(KVXferConnectorMetadata(fetch=[copy.deepcopy(order)]))
+            w.start_load_kv(None)
+            w.clear_connector_metadata()
+        for w in decode:
+            _wait_recved(w, "d1")
+            assert not w.get_block_ids_with_load_errors()
+        ended = [_wait_ended(w, "p1") for w in prefill]
+        assert all(e[1] in ("done", "cancelled") for e in ended), ended
+        assert sum(e[1] == "done" for e in ended) >= 1
+        per_stage = len(vh.LAYERS) // r
+        for k, kv in enumerate(dcaches):
+            tp_rank, stage = k % d, k // d
+            h0, h1 = heads_of(tp_rank, d, H)
+            for name in vh.LAYERS[stage * per_stage : (stage + 1) * per_stage]:
+                got = kv[name][dst].view(torch.int16)
+                assert torch.equal(got, full[name][src][:, h0:h1]), (k, name)
+                others = [b for b in range(blocks) if b not in dst]
+                assert not kv[name][others].view(torch.int16).any(), "bytes landed outside the fetched blocks"
+    finally:
+        for w in prefill + decode:
+            w.shutdown()
+
+
+def test_the_scheduler_takes_a_hold_under_parallelism_and_reads_the_ranks_of_a_ticket(vh):
+    """A TP-2 prefill's scheduler takes a hold claim (each rank holds its share); a decode reads ``ranks`` off a
+    ticket, and a malformed one (not two sizes, zero, a bool, more ports than there are) is refused by name."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvxfer.integrations.vllm import KVXferConnector
-    from kvxfer.integrations.vllm.settings import HOLD, PUSH, parse_claim
+    from kvxfer.integrations.vllm.settings import FETCH, HOLD, parse_claim
 
     vc = _rank_config(vh, 0, listen=f"127.0.0.1:{vh.free_port()}")
     c = KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+    assert c.settings.parallel == (2, 1)
     hold = parse_claim({"kvxfer": {}}, "r", c.settings)
-    assert hold is not None and hold.kind == HOLD and "tensor or pipeline parallelism" in (hold.error or "")
-    push = parse_claim({"kvxfer": {"consumer": "127.0.0.1:9"}}, "r", c.settings)
-    assert push is not None and push.kind == PUSH and not push.error
+    assert hold is not None and hold.kind == HOLD and not hold.error
+    ticket = {
+        "status": "held",
+        "address": "127.0.0.1:5000",
+        "request_id": "x",
+        "num_tokens": 20,
+        "num_blocks": 2,
+        "block_size": 16,
+        "lease_expires": time.time() + 10,
+    }
+    fetch = parse_claim({"kvxfer": {**ticket, "ranks": [2, 4]}}, "r", c.settings)
+    assert fetch is not None and fetch.kind == FETCH and fetch.ticket is not None and fetch.ticket.ranks == (2, 4)
+    assert parse_claim({"kvxfer": ticket}, "r", c.settings).ticket.ranks == (1, 1)
+    for bad in ([2], [0, 1], [True, 1], [2, "1"], 2, [1, 70000]):
+        claim = parse_claim({"kvxfer": {**ticket, "ranks": bad}}, "r", c.settings)
+        assert claim is not None and "ranks" in (claim.error or ""), bad
+    far = parse_claim({"kvxfer": {**ticket, "address": "127.0.0.1:65535", "ranks": [2, 1]}}, "r", c.settings)
+    assert far is not None and "no port" in (far.error or "")

@@ -14,9 +14,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ...channel import parse_address
 from ...consumer import Consumer
 from ...producer import Producer
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
+from .ranks import Stages, rank_address
 from .scheduler import KVXferScheduler
 from .settings import Settings
 from .stats import KVXferPromMetrics, KVXferStats
@@ -50,6 +52,14 @@ def _ranks(pc) -> tuple[int, int]:
     return int(pc.rank) % tp, int(pc.rank) // tp % pp
 
 
+def _stage_layers(vllm_config) -> Stages:
+    """The model's layers each pipeline stage holds, as vLLM splits them (the same split on both instances)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.get_total_num_hidden_layers())
+    return lambda stage, stages: tuple(get_pp_indices(total, stage, stages))  # type: ignore[return-value]
+
+
 def _packed_by_kernel(vllm_config) -> bool:
     """Whether this worker's attention kernel lays out each block its own way: vLLM's CPU attention keeps a head's
     K and V as ``[2, block_size, head_size]`` in kernel order, not the ``[block_size, 2 * head_size]`` its tensor
@@ -78,12 +88,6 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = Settings.from_extra(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
-        if tp * pp > 1 and fetch:
-            raise ValueError(
-                f"KVXferConnector: under tensor_parallel_size={tp}, pipeline_parallel_size={pp} only kv_role "
-                "'kv_producer' is supported (each rank pushes its kv heads of its layers to a consumer holding them "
-                f"all); got {ktc.kv_role!r}"
-            )
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))  # one latent cache, whole on every rank
         if mla and tp > 1 and pp > 1:
             raise ValueError(
@@ -91,9 +95,13 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 "(each stage's latent layers would be striped across its ranks)"
             )
         tp_rank, pp_rank = _ranks(pc)
-        shard = (tp_rank, tp, vllm_config.model_config.get_total_num_kv_heads()) if tp > 1 else None
+        kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        shard = (tp_rank, tp, kv_heads) if tp > 1 else None
         stage = (pp_rank, pp) if pp > 1 else None
-        self.settings = dataclasses.replace(self.settings, parallel_ranks=tp * pp)  # holds: not_held under TP/PP
+        self.settings = dataclasses.replace(self.settings, parallel=(tp, pp))
+        listen = self.settings.listen  # under TP/PP each rank listens on its own port: the configured one + its rank
+        if listen and tp * pp > 1 and parse_address(listen)[1] + tp * pp - 1 > 65535:
+            raise ValueError(f"KVXferConnector: listen {self.settings.listen!r} leaves no port for every rank")
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
             raise ValueError(
@@ -107,8 +115,11 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVXferScheduler(self.settings, self.block_size, produce=produce, fetch=fetch)
         else:
+            own = self.settings
+            if listen and tp * pp > 1:
+                own = dataclasses.replace(own, listen=rank_address(listen, pp_rank * tp + tp_rank))
             self.connector_worker = KVXferWorker(
-                self.settings,
+                own,
                 kv_cache_config,
                 produce=produce,
                 fetch=fetch,
@@ -116,6 +127,8 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 shard=shard,
                 replicated=mla,
                 stage=stage,
+                layers=_stage_layers(vllm_config),
+                kv_heads=kv_heads,
             )
 
     # ---- class-level hooks -------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class FetchOrder:
     fingerprint: str  # the ticket's layout id ("" when the prefill did not know it)
     lease_expires: float
     deadline: float  # seconds from the order
+    ranks: tuple[int, int] = (1, 1)  # the prefill's (TP, PP) sizes: its ranks hold shares (``ranks``)
     error: str = ""  # the scheduler could not map the blocks: fail at once (the request still waits for a report)
 
 

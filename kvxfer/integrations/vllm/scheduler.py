@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .ranks import hold_id, rank_address
 from .settings import FETCH, HOLD, NONE, PARAMS_KEY, Claim, Settings, log, parse_claim
 
 if TYPE_CHECKING:
@@ -156,8 +157,12 @@ class KVXferScheduler:
     def _decline(self, claim: Claim, why: str) -> None:
         """The worker tells the prefill that this ticket will not be fetched: it frees the blocks now, not at
         the end of the lease."""
-        if claim.ticket is not None and claim.ticket.address:
-            self._decline_next.append((claim.ticket.address, claim.transfer_id, why))
+        t = claim.ticket
+        if t is not None and t.address:
+            n = t.ranks[0] * t.ranks[1]
+            for g in range(n):  # every prefill rank holds a share
+                address = t.address if n == 1 else rank_address(t.address, g)
+                self._decline_next.append((address, hold_id(claim.transfer_id, g, n), why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         if not scheduler_output.total_num_scheduled_tokens and self._awaiting and not self._fetches:
@@ -215,6 +220,7 @@ class KVXferScheduler:
             fingerprint=t.fingerprint,
             lease_expires=t.lease_expires,
             deadline=f.claim.deadline,
+            ranks=t.ranks,
             error=f.error,
         )
 
@@ -315,6 +321,8 @@ class KVXferScheduler:
         }
         if c.kind == HOLD and st.attempt:
             info.update(address=self.settings.listen, lease_expires=st.lease_expires, transport=self.settings.transport)
+            if self.settings.parallel != (1, 1):  # each rank holds its share, at the listen port + its rank
+                info["ranks"] = list(self.settings.parallel)
             if self.fingerprint:
                 info["fingerprint"] = self.fingerprint
         elif c.kind != HOLD:

@@ -18,6 +18,7 @@ from ...errors import ConfigError
 log = logging.getLogger("vllm.kvxfer")
 
 PARAMS_KEY = "kvxfer"
+MAX_RANKS = 1024  # a ticket's tensor- or pipeline-parallel size, at most
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class Settings:
     lease: float = 30.0  # prefill: seconds a held prompt waits to be fetched
     consumer_listen: str = "127.0.0.1:0"  # decode: the fetching Consumer's listen address
     inline_max: int = inline.DEFAULT  # prefill: a push or hold of at most this many bytes travels inline (0: never)
-    parallel_ranks: int = 1  # not a config key: worker ranks per instance (TP x PP), from vLLM's parallel config
+    parallel: tuple[int, int] = (1, 1)  # not a config key: this instance's (TP, PP) sizes, from vLLM's config
 
     KEYS = (
         "transport",
@@ -131,6 +132,7 @@ class Ticket:
     block_size: int
     lease_expires: float  # time.time() epoch
     fingerprint: str = ""  # the prefill layout's ``fingerprint_id`` ("" when the prefill did not know it yet)
+    ranks: tuple[int, int] = (1, 1)  # the prefill's (TP, PP) sizes: each of its ranks holds a share (``ranks``)
 
 
 @dataclass
@@ -174,7 +176,17 @@ def _ticket(spec: dict) -> Ticket:
     fp = spec.get("fingerprint", "")
     if not isinstance(fp, str):
         raise ValueError('ticket field "fingerprint" must be a string')
+    ranks = spec.get("ranks", [1, 1])
+    if (
+        not isinstance(ranks, list)
+        or len(ranks) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_RANKS for n in ranks)
+    ):
+        raise ValueError(f'ticket field "ranks" must be [tensor-parallel size, pipeline-parallel size], got {ranks!r}')
+    if parse_address(address)[1] + ranks[0] * ranks[1] - 1 > 65535:
+        raise ValueError(f"ticket address {address!r} leaves no port for each of its {ranks[0] * ranks[1]} ranks")
     return Ticket(
+        ranks=(ranks[0], ranks[1]),
         address=address,
         request_id=rid,
         num_tokens=num("num_tokens", int),
@@ -210,10 +222,6 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
             claim.kind = HOLD
             if not settings.listen:
                 raise ValueError('no "consumer" named (a hold), but this instance has no "listen" address configured')
-            if settings.parallel_ranks > 1:
-                raise ValueError(
-                    'no "consumer" named (a hold): holds under tensor or pipeline parallelism are not wired yet'
-                )
         else:
             if not isinstance(consumer, str) or not consumer:
                 raise ValueError('"consumer" ("host:port" of a kvxfer Consumer) must be a non-empty string')

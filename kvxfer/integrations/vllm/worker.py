@@ -30,6 +30,7 @@ from ...producer import Producer
 from ...shard import heads_of, sources, stripe
 from ...transfer import Transfer
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
+from .ranks import Stages, hold_id, plan, rank_address
 from .settings import Settings, log
 from .stats import KVXferStats
 
@@ -83,14 +84,23 @@ class _Fetching:
     def __init__(self, order: FetchOrder):
         self.order = order
         self.t0 = time.monotonic()
-        self.transfer: Transfer | None = None
+        self.transfers: list[Transfer] = []  # one fetch per prefill rank holding some of our heads or layers
         self.started = False
         self.error: KVXferError | None = None  # set when it ended without a transfer (refused before the network)
         self.cancel_reason: str | None = None
 
     @property
     def ended(self) -> bool:
-        return self.error is not None or (self.transfer is not None and self.transfer.done())
+        return self.error is not None or (bool(self.transfers) and all(t.done() for t in self.transfers))
+
+    def cancel(self, reason: str) -> None:
+        for t in self.transfers:
+            t.cancel(reason)
+
+    def _one_ended(self, t: Transfer) -> None:
+        """A fetch from one prefill rank ended: if it failed, the request has failed; stop the others."""
+        if t.error is not None:
+            self.cancel(f"another rank's fetch failed: {t.error}")
 
 
 class _Launchers:
@@ -136,11 +146,17 @@ class KVXferWorker:
         shard: tuple[int, int, int] | None = None,
         replicated: bool = False,
         stage: tuple[int, int] | None = None,
+        layers: Stages | None = None,
+        kv_heads: int = 1,
     ):
         self.settings = settings
         self.shard = shard  # (tensor-parallel rank, size, the model's kv heads): this rank ships its heads
         self.replicated = replicated  # every rank holds the whole cache (MLA): this rank ships its stripe of layers
         self.stage = stage  # (pipeline-parallel rank, size): this rank's cache holds its stage's layers only
+        self.stages = layers  # the model's layers of each pipeline stage, as vLLM splits them (fetch planning)
+        self.kv_heads = kv_heads  # the model's kv heads (a prefill of another TP holds other shares of them)
+        tp, _ = settings.parallel
+        self.rank = (stage[0] if stage else 0) * tp + (shard[0] if shard else 0)  # this worker's rank in the instance
         self.packed = False  # the attention kernel packs each block (vLLM's CPU attention): no token mapping
         self.produce, self.fetch = produce, fetch
         self.block_size = block_size  # tokens per (scheduler) block: a ticket must say the same
@@ -274,7 +290,7 @@ class KVXferWorker:
 
     def bind_connector_metadata(self, meta: KVXferConnectorMetadata) -> None:
         self._apply_cancels(meta)
-        for address, hold, why in meta.decline:
+        for address, hold, why in meta.decline if self.rank == 0 else ():  # one decode rank tells the prefill
             self._decline(address, hold, why)
         superseded = []
         with self._lock:
@@ -325,7 +341,9 @@ class KVXferWorker:
     def _start_fetch(self, fe: _Fetching) -> None:
         o = fe.order
         if fe.cancel_reason is not None:
-            self._decline(o.address, o.transfer_id, fe.cancel_reason)
+            if self.rank == 0:  # one decode rank tells every prefill rank
+                for g in range(o.ranks[0] * o.ranks[1]):
+                    self._decline(*self._hold_of(o, g), fe.cancel_reason)
             return
         fe.started = True
         try:
@@ -347,7 +365,8 @@ class KVXferWorker:
                     "instance's attention kernel packs its blocks (vLLM's CPU attention): they cannot be mapped "
                     "by tokens"
                 )
-            if not paged and o.fingerprint and o.fingerprint != layout.fingerprint_id:
+            parallel = o.ranks != (1, 1) or self.settings.parallel != (1, 1)  # shares: the handshake pairs them
+            if not paged and not parallel and o.fingerprint and o.fingerprint != layout.fingerprint_id:
                 raise IncompatibleError(
                     f"layout mismatch: the prefill's KV layout {o.fingerprint} is not this instance's "
                     f"{layout.fingerprint_id}"
@@ -359,22 +378,47 @@ class KVXferWorker:
                 "kvxfer: request %s: fetching %r from %s, %.3fs left", o.req_id, o.transfer_id, o.address, remaining
             )
             ids = self._kernel_ids(o.block_ids)
+            at: dict = {"skip": o.skip * self.ratio}
             if paged:  # our blocks hold the held tokens from the first one not here; the prefill's are counted so
                 start = o.skip * self.block_size
                 tokens = o.num_tokens - start
                 ids = ids[: -(-tokens // layout.fingerprint.block_size)]
-                t = consumer.fetch(o.address, o.transfer_id, ids, from_token=start, tokens=tokens, deadline=remaining)
-            else:
-                t = consumer.fetch(o.address, o.transfer_id, ids, skip=o.skip * self.ratio, deadline=remaining)
+                at = {"from_token": start, "tokens": tokens}
+            sources, unread = self._sources(o)
+            for src in sources:
+                address, hold = self._hold_of(o, src.rank)
+                t = consumer.fetch(
+                    address, hold, ids, deadline=remaining, readers=src.readers, partial=src.partial, **at
+                )
+                fe.transfers.append(t)
+                t.add_done_callback(fe._one_ended)
+            if self.rank == 0:
+                for g in unread:  # replicas no decode rank reads: their prefill ranks free them now
+                    self._decline(*self._hold_of(o, g), "a replica another prefill rank ships")
         except KVXferError as e:
             fe.error = e
-            return
         except Exception as e:  # whatever happens, the request must be reported
             fe.error = KVXferError(repr(e))
-            return
-        fe.transfer = t
-        if fe.cancel_reason is not None:
-            t.cancel(fe.cancel_reason)
+        if fe.error is not None:
+            fe.cancel(f"fetch failed: {fe.error}")
+        elif fe.cancel_reason is not None:
+            fe.cancel(fe.cancel_reason)
+
+    def _sources(self, o: FetchOrder):
+        """The prefill ranks this rank fetches from (``ranks.plan``), and those no decode rank reads."""
+        tp, pp = self.settings.parallel
+        mine = (self.shard[0] if self.shard else 0, self.stage[0] if self.stage else 0)
+        if o.ranks == (1, 1) and (tp, pp) == (1, 1):
+            return plan((1, 1), (1, 1), (0, 0), 1, False, lambda s, n: (0, 1))
+        if self.stages is None:
+            raise IncompatibleError("parallel prefill or decode ranks, but no pipeline stage layers known")
+        return plan(o.ranks, (tp, pp), mine, self.kv_heads, self.replicated, self.stages)
+
+    @staticmethod
+    def _hold_of(o: FetchOrder, g: int) -> tuple[str, str]:
+        """Prefill rank ``g``'s listen address and the id it holds the request under."""
+        n = o.ranks[0] * o.ranks[1]
+        return (o.address if n == 1 else rank_address(o.address, g)), hold_id(o.transfer_id, g, n)
 
     def _decline(self, address: str, hold: str, why: str) -> None:
         consumer = self.consumer
@@ -384,23 +428,29 @@ class KVXferWorker:
 
     def _cancel_fetch(self, fe: _Fetching, reason: str) -> None:
         fe.cancel_reason = reason
-        if fe.transfer is not None:
-            fe.transfer.cancel(reason)
+        if fe.transfers:
+            fe.cancel(reason)
         elif fe.error is None:
             fe.error = CancelledError(reason)
 
     def _fetch_ended(self, rid: str, fe: _Fetching) -> None:
         """Account one ended fetch (under ``_lock``): its outcome for the scheduler, its blocks if it failed."""
-        o, t = fe.order, fe.transfer
-        error = fe.error if fe.error is not None else (t.error if t is not None else None)
+        o, ts = fe.order, fe.transfers
+        first = next((t.error for t in ts if t.error is not None and not isinstance(t.error, CancelledError)), None)
+        error = fe.error or first or next((t.error for t in ts if t.error is not None), None)
         seconds = time.monotonic() - fe.t0
         if error is None:
-            assert t is not None
-            self.stats.record("fetch", ok=True, nbytes=t.nbytes, seconds=_moving(t))
+            nbytes = sum(int(t.nbytes) for t in ts)
+            self.stats.record("fetch", ok=True, nbytes=nbytes, seconds=max(_moving(t) for t in ts))
             self._ended[rid] = (1, "done", None)
-            self._fetched[rid] = {"nbytes": int(t.nbytes), "seconds": round(seconds, 6)}
+            self._fetched[rid] = {"nbytes": nbytes, "seconds": round(seconds, 6)}
             log.debug(
-                "kvxfer: request %s: fetched %d blocks (%d bytes) in %.3fs", rid, len(o.block_ids), t.nbytes, seconds
+                "kvxfer: request %s: fetched %d blocks (%d bytes) from %d rank(s) in %.3fs",
+                rid,
+                len(o.block_ids),
+                nbytes,
+                len(ts),
+                seconds,
             )
             return
         self.stats.record("fetch", ok=False)
@@ -476,12 +526,14 @@ class KVXferWorker:
             remaining = sh.end_by - time.monotonic()
             if remaining <= 0:
                 raise _unpushed(o)
-            part = self._part()
+            tp, pp = self.settings.parallel
+            part = self._part() if o.kind != "hold" else {}
             if part is None:  # a replica another rank ships
                 return self._end(sh, "done", None)
             ids = self._kernel_ids(o.block_ids)
-            if o.kind == "hold":
-                t = producer.hold(o.transfer_id, ids, lease=remaining, meta=o.meta, digests=o.digests)
+            if o.kind == "hold":  # every rank holds its own share, under an id of its own (``ranks``)
+                held = hold_id(o.transfer_id, self.rank, tp * pp)
+                t = producer.hold(held, ids, lease=remaining, meta=o.meta, digests=o.digests)
             else:
                 kernel = producer.layout.fingerprint.block_size
                 t = producer.push(
