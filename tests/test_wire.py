@@ -337,3 +337,12 @@ def test_a_write_of_length_minus_one_ends_the_data_connection_cleanly(consumer, 
     ctl.close()
     assert crashed == []
     _still_serves(consumer)
+
+
+@pytest.mark.parametrize("readers", [0, wire.MAX_READERS + 1, -1])
+def test_a_fetch_for_no_readers_or_too_many_is_refused_at_decode(readers):
+    body = msgspec.msgpack.encode({"t": "fetch", "req": "r", "num_blocks": 1, "readers": readers})
+    with pytest.raises(ProtocolError, match="readers"):
+        wire.decode(body)
+    ok = msgspec.msgpack.encode({"t": "fetch", "req": "r", "num_blocks": 1, "readers": wire.MAX_READERS})
+    assert wire.decode(ok).readers == wire.MAX_READERS

@@ -151,18 +151,53 @@ def _wait_ended(w, rid: str, timeout: float = 15.0):
     raise AssertionError(f"{rid} never ended on the worker")
 
 
-def test_an_mla_model_under_both_tp_and_pp_is_refused_with_the_reason(vh, monkeypatch):
+def test_an_mla_cache_under_tp_and_pp_ships_each_stage_striped_once(vh, monkeypatch):
+    """MLA under TP 2 x PP 2: every rank of a stage holds the stage's latent layers whole; each stage's ranks
+    stripe its layers (one layer per stage here, so one sender per stage and the other rank ships nothing), and
+    the consumer's blocks equal the latent cache."""
+    vh.init_single_process_world(vh.make_vllm_config(None))
     from vllm.config import ModelConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvxfer.integrations.vllm import KVXferConnector
+    from kvxfer import Consumer, KVLayout
 
     monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))
-    vc = vh.make_vllm_config(vh.kvxfer_ktc(role="kv_consumer", transport="tcp"))
-    vc.parallel_config.tensor_parallel_size = 2
-    vc.parallel_config.pipeline_parallel_size = 2
-    with pytest.raises(ValueError, match="MLA model under both tensor and pipeline parallelism"):
-        KVXferConnector(vc, KVConnectorRole.SCHEDULER, vh.make_kv_cache_config(vc, 8))
+    blocks, H, block = 12, vh.KV_HEADS, vh.make_vllm_config(None).cache_config.block_size
+    g = torch.Generator().manual_seed(11)
+    full = {
+        n: torch.randint(-3000, 3000, (blocks, H, block, 2 * vh.HEAD), generator=g, dtype=torch.int16)
+        for n in vh.LAYERS
+    }
+
+    def latent(name, hs, t):
+        t.view(torch.int16).copy_(full[name])
+
+    workers, _ = _instance(vh, "kv_producer", 2, 2, lambda k: (0, H), blocks, latent)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    whole = allocate_kv_cache(
+        _cache_config(vh, vh.make_vllm_config(None), H, blocks), torch.device("cpu"), KVCacheLayout.LBHNC
+    )
+    for t in whole.values():
+        t.zero_()
+    consumer = Consumer(KVLayout.from_tensors(whole), transport="tcp", deadline=10)
+    try:
+        parts = [w.connector_worker._part() for w in workers]
+        assert parts == [
+            {"senders": 2, "part": 0, "layers": (0,)},
+            None,
+            {"senders": 2, "part": 1, "layers": (1,)},
+            None,
+        ]
+        src = [3, 7, 1]
+        a = _ship(workers, consumer, "r1", "mla-pp", src, block)
+        for name, t in whole.items():
+            assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), full[name][src]), name
+        assert consumer.release("mla-pp")
+    finally:
+        for w in workers:
+            w.shutdown()
+        consumer.close()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -278,19 +313,34 @@ def _wait_recved(w, rid: str, timeout: float = 15.0) -> None:
 
 
 PD_CASES = [(2, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 1, 4, 1), (1, 2, 1, 1), (2, 2, 1, 2)]
+PD_CASES = [(*c, False) for c in PD_CASES] + [
+    (2, 1, 1, 1, True),
+    (1, 1, 2, 1, True),
+    (4, 1, 2, 1, True),
+    (2, 2, 1, 1, True),
+]
 
 
-@pytest.mark.parametrize("p,q,d,r", PD_CASES, ids=[f"tp{p}pp{q}-into-tp{d}pp{r}" for p, q, d, r in PD_CASES])
-def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, p, q, d, r):
+@pytest.mark.parametrize(
+    "p,q,d,r,mla", PD_CASES, ids=[f"tp{p}pp{q}-into-tp{d}pp{r}{'-mla' * m}" for p, q, d, r, m in PD_CASES]
+)
+def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, monkeypatch, p, q, d, r, mla):
     """A prefill of TP ``p`` x PP ``q`` holds a request on every rank (``ranks``: rank g listens on the port + g
     and holds ``<id>@<g>``); a decode of TP ``d`` x PP ``r`` gets one fetch order per rank, as the rank-agnostic
     scheduler sends it, and each decode rank fetches its heads of its layers from the prefill ranks holding them
     (with 2 kv heads, TP 4 replicates each head on two ranks: the unread replicas are declined). Every decode
     rank's blocks equal the reference's; every prefill rank's hold ends done or declined, and every decode rank
-    reports the request received."""
+    reports the request received. MLA: every rank holds the latent cache whole; decode rank ``c`` reads it from
+    prefill rank ``c % p`` (of each stage holding its layers), the others are declined."""
     vh.init_single_process_world(vh.make_vllm_config(None))
+    from vllm.config import ModelConfig
+
     from kvxfer.integrations.vllm import FetchOrder, KVXferConnectorMetadata, ShipOrder
     from kvxfer.shard import heads_of
+
+    if mla:
+        monkeypatch.setattr(ModelConfig, "use_mla", property(lambda self: True))
+    split = (lambda n: lambda k: (0, vh.KV_HEADS)) if mla else (lambda n: lambda k: heads_of(k, n, vh.KV_HEADS))
 
     H, blocks, block = vh.KV_HEADS, 12, vh.make_vllm_config(None).cache_config.block_size
     g = torch.Generator().manual_seed(p * 100 + q * 10 + d)
@@ -306,10 +356,8 @@ def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, p,
         t.zero_()
 
     base = _free_ports(p * q)
-    prefill, _ = _instance(
-        vh, "kv_producer", p, q, lambda k: heads_of(k, p, H), blocks, reference, listen=f"127.0.0.1:{base}"
-    )
-    decode, dcaches = _instance(vh, "kv_consumer", d, r, lambda k: heads_of(k, d, H), blocks, zero)
+    prefill, _ = _instance(vh, "kv_producer", p, q, split(p), blocks, reference, listen=f"127.0.0.1:{base}")
+    decode, dcaches = _instance(vh, "kv_consumer", d, r, split(d), blocks, zero)
     try:
         src, dst = [3, 7, 1], [9, 0, 4]
         hold = ShipOrder("p1", "tp-hold", "", src, 3 * block, 1, 10.0, False, {}, lease_expires=time.time() + 20)
@@ -333,7 +381,7 @@ def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, p,
         per_stage = len(vh.LAYERS) // r
         for k, kv in enumerate(dcaches):
             tp_rank, stage = k % d, k // d
-            h0, h1 = heads_of(tp_rank, d, H)
+            h0, h1 = split(d)(tp_rank)
             for name in vh.LAYERS[stage * per_stage : (stage + 1) * per_stage]:
                 got = kv[name][dst].view(torch.int16)
                 assert torch.equal(got, full[name][src][:, h0:h1]), (k, name)

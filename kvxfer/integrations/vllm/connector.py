@@ -89,11 +89,6 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         pc = vllm_config.parallel_config
         tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
         mla = bool(getattr(vllm_config.model_config, "use_mla", False))  # one latent cache, whole on every rank
-        if mla and tp > 1 and pp > 1:
-            raise ValueError(
-                "KVXferConnector: an MLA model under both tensor and pipeline parallelism is not supported yet "
-                "(each stage's latent layers would be striped across its ranks)"
-            )
         tp_rank, pp_rank = _ranks(pc)
         kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         shard = (tp_rank, tp, kv_heads) if tp > 1 else None

@@ -564,6 +564,8 @@ class KVXferWorker:
         every rank holds whole (MLA) its stripe of the layers (``shard.stripe``); under pipeline parallelism its
         stage's layers (of those heads), one part per stage and head share; None when this rank has nothing
         another rank does not ship."""
+        if self.replicated and self.stage is not None:
+            return self._latent_stage_part()
         part = self._tp_part()
         if self.stage is None or part is None:
             return part
@@ -573,6 +575,21 @@ class KVXferWorker:
         pp_rank, pp = self.stage
         senders, i = part.get("senders", 1), part.get("part", 0)
         return {**part, "senders": pp * senders, "part": pp_rank * senders + i, "layers": range(*layout.layers)}
+
+    def _latent_stage_part(self) -> dict | None:
+        """MLA under TP and PP: each stage's ranks stripe the stage's layers (``shard.stripe``); the parts of every
+        stage together are one request (stage ``s`` has ``min(tp, its layers)`` of them)."""
+        layout = self.layout
+        if layout is None or layout.layers is None or self.shard is None or self.stage is None:
+            raise ClosedError("no KV cache registered (sleeping or shut down)")
+        if self.stages is None:
+            raise IncompatibleError("an MLA cache under pipeline parallelism, but no pipeline stage layers known")
+        rank, tp, _ = self.shard
+        pp_rank, pp = self.stage
+        counts = [min(tp, hi - lo) for lo, hi in (self.stages(s, pp) for s in range(pp))]
+        lo, hi = layout.layers
+        mine = tuple(lo + k for k in stripe(rank, tp, hi - lo))
+        return {"senders": sum(counts), "part": sum(counts[:pp_rank]) + rank, "layers": mine} if mine else None
 
     def _tp_part(self) -> dict | None:
         if self.shard is None:
