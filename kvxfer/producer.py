@@ -281,6 +281,8 @@ class Producer(HandleBase):
             self._launching.discard(t)
             if t.done():  # the reaper ended it (its deadline) while it waited for the session
                 raise t.error or DeadlineError(f"{t.kind} of {t.req!r} ended before its session was up")
+            if not s.alive:  # lost since it was handed out: enrolled there, no reaper or loss would ever end it
+                raise PeerError(f"consumer {t.address} closed the session")
             if t.req in s.transfers:
                 raise BlockError(f"request {t.req!r} is already in flight to {t.address}")
             s.transfers[t.req] = t
@@ -296,6 +298,8 @@ class Producer(HandleBase):
             try:
                 send(self._enroll(t), t)
             except KVXferError as e:  # a handshake cut short by close() is the close, whatever broke first
+                with self._lock:
+                    self._launching.discard(t)
                 self._end(t, ClosedError("producer closed") if self.closed else e)
 
         with self._lock:
