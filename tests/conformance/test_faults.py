@@ -202,48 +202,28 @@ def test_close_ends_everything(consumers, transport):
     assert consumer.arrivals.empty()
 
 
-def test_a_transfer_waiting_for_a_busy_worker_ends_at_its_own_deadline(transport):
-    """Every worker of the producer is busy (here its only one, handshaking with a consumer that never answers): a
-    push queued for a worker, to another address, still ends at its own deadline, not when a worker frees up."""
+@pytest.mark.parametrize("behind", ["handshake", "worker"])
+def test_a_queued_push_ends_at_its_own_deadline(transport, behind):
+    """A consumer that accepts and never answers keeps a first push handshaking (a long connect timeout). A second
+    push with a short deadline, queued behind that handshake (to the same consumer) or behind the producer's only
+    worker, busy with it (to another such consumer), still ends at its own deadline."""
     import socket
 
     silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
     first, other = (f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
-    producer, _ = _local_producer(Spec(num_blocks=8), transport, connect_timeout=5.0, workers=1)
+    options = {"workers": 1} if behind == "worker" else {}
+    producer, _ = _local_producer(Spec(num_blocks=8), transport, connect_timeout=5.0, **options)
     try:
         slow = producer.push(first, "first", [0], deadline=4.0)
-        time.sleep(0.2)  # the only worker is handshaking
+        time.sleep(0.2)  # the first push is handshaking
         start = time.monotonic()
-        quick = producer.push(other, "second", [1], deadline=0.5)
+        quick = producer.push(first if behind == "handshake" else other, "second", [1], deadline=0.5)
         with pytest.raises(DeadlineError):
             quick.wait(3.0)
-        assert time.monotonic() - start < 1.5, "the queued push waited for a worker"
+        assert time.monotonic() - start < 1.5, f"the queued push waited for the {behind}"
         with pytest.raises(DeadlineError):
             slow.wait(6.0)
     finally:
         producer.close()
         for s in silent:
             s.close()
-
-
-def test_a_transfer_queued_behind_a_hung_handshake_ends_at_its_own_deadline(transport):
-    """A consumer that accepts and never answers: the first push waits out its long handshake timeout, and a
-    second push to it, with a short deadline, waiting for that handshake, ends at its own deadline anyway."""
-    import socket
-
-    silent = socket.create_server(("127.0.0.1", 0))
-    address = f"127.0.0.1:{silent.getsockname()[1]}"
-    producer, _ = _local_producer(Spec(num_blocks=8), transport, connect_timeout=5.0)
-    try:
-        slow = producer.push(address, "first", [0], deadline=4.0)
-        time.sleep(0.2)  # the first push is handshaking
-        start = time.monotonic()
-        quick = producer.push(address, "second", [1], deadline=0.5)
-        with pytest.raises(DeadlineError):
-            quick.wait(3.0)
-        assert time.monotonic() - start < 1.5, "the queued push waited for the other's handshake"
-        with pytest.raises(DeadlineError):
-            slow.wait(6.0)
-    finally:
-        producer.close()
-        silent.close()

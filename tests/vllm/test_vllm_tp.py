@@ -141,6 +141,16 @@ def test_pipeline_stages_push_their_layers_into_one_consumer(vh, tp, pp):
         consumer.close()
 
 
+def _ships_the_latent_cache(workers, consumer, cache, latent, req: str, block: int) -> None:
+    """Every rank gets the same ship order; the consumer's blocks (``cache``) then equal the latent cache, which
+    every rank holds a replica of."""
+    src = [3, 7, 1]
+    a = _ship(workers, consumer, "r1", req, src, block)
+    for name, t in cache.items():
+        assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), latent[name][src]), name
+    assert consumer.release(req)
+
+
 def _wait_ended(w, rid: str, timeout: float = 15.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -189,11 +199,7 @@ def test_an_mla_cache_under_tp_and_pp_ships_each_stage_striped_once(vh, monkeypa
             {"senders": 2, "part": 1, "layers": (1,)},
             None,
         ]
-        src = [3, 7, 1]
-        a = _ship(workers, consumer, "r1", "mla-pp", src, block)
-        for name, t in whole.items():
-            assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), full[name][src]), name
-        assert consumer.release("mla-pp")
+        _ships_the_latent_cache(workers, consumer, whole, full, "mla-pp", block)
     finally:
         for w in workers:
             w.shutdown()
@@ -241,11 +247,7 @@ def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch,
             {"senders": min(tp, layers), "part": r, "layers": tuple(range(r, layers, tp))} if r < layers else None
             for r in range(tp)
         ]
-        src = [3, 7, 1]
-        a = _ship(workers, consumer, "r1", "mla-req", src, full_vc.cache_config.block_size)
-        for name, t in full.items():
-            assert torch.equal(t[torch.as_tensor(a.block_ids)].view(torch.int16), latent[name][src]), name
-        assert consumer.release("mla-req")
+        _ships_the_latent_cache(workers, consumer, full, latent, "mla-req", full_vc.cache_config.block_size)
     finally:
         for w in workers:
             w.shutdown()
