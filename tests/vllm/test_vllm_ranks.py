@@ -54,8 +54,7 @@ def test_every_decode_cell_comes_from_one_prefill_rank_holding_it(vh, p, q, d, r
             got += cells
             readers[src.rank] = readers.get(src.rank, 0) + 1
             assert src.partial == (len(sources) > 1)
-        if latent:  # a replica on every rank: one source per stage, nothing read twice
-            assert len(got) == len(set(got))
+        assert len(got) == len(set(got)), "a cell is read from two prefill ranks (a replica shipped twice)"
         assert set(got) == want, f"decode rank {(c, s)} misses {sorted(want - set(got))[:4]}"
     for src_rank, n in readers.items():
         told = {
