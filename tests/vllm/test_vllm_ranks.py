@@ -67,7 +67,7 @@ def test_every_decode_cell_comes_from_one_prefill_rank_holding_it(vh, p, q, d, r
     assert set(unread or []) == set(range(p * q)) - set(readers)
 
 
-def test_a_hold_id_and_address_per_rank():
+def test_a_hold_id_and_address_per_rank(vh):
     from kvxfer.integrations.vllm.ranks import hold_id, rank_address
 
     assert hold_id("req", 0, 1) == "req"
