@@ -210,8 +210,8 @@ class Grants:
         r = self._check_ranges(req, senders, part, ranges)
         if chunks is not None and not (n - 1) * per_block < chunks <= n * per_block:
             raise BlockError(f"request {req!r}: {chunks} chunks do not fill {n} blocks of {per_block} chunks")
-        mine = int((r[:, 1] - r[:, 0]).sum())
-        if senders == 1 and (part != 0 or (mine != self.block_bytes and not (partial and ids is not None))):
+        covered = int((r[:, 1] - r[:, 0]).sum())  # bytes of each block this admission fills
+        if senders == 1 and (part != 0 or (covered != self.block_bytes and not (partial and ids is not None))):
             raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []
         old = self.active.get(req)
@@ -230,7 +230,7 @@ class Grants:
             mine = sum(1 for s in self.active.values() if peer in s.live_peers)
             if mine >= self.max_inflight_per_peer:
                 raise BusyError(f"{mine} requests of this producer in flight", self.retry_after)
-        per_slot = (n if chunks is None else chunks) * (mine if senders == 1 else self.block_bytes)
+        per_slot = (n if chunks is None else chunks) * (covered if senders == 1 else self.block_bytes)
         per_slot //= per_block if chunks is not None else 1
         external = ids is not None
         if ids is not None:

@@ -262,6 +262,14 @@ def test_one_producer_cannot_take_every_grant():
     g.admit(2, "d", 1, 10, 0)  # another session still gets room
 
 
+def test_a_grant_under_a_per_producer_bound_expects_every_byte_of_its_blocks():
+    """The per-producer bound counts requests; the grant still expects its blocks' bytes, not that count."""
+    g = _grants(max_inflight_per_peer=2)
+    g.admit(1, "a", 1, 10, 0)
+    slot, _ = g.admit(1, "b", 3, 10, 0)
+    assert slot.nbytes == 3 * 10
+
+
 def test_a_failed_pull_keeps_its_blocks_until_the_reader_stops():
     g = _grants()
     slot = g.admit_pull(1, "p", 4, 10, 0, lease_gen=5)
