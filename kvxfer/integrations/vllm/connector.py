@@ -14,11 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ...channel import parse_address
 from ...consumer import Consumer
 from ...producer import Producer
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
-from .ranks import Stages, rank_address
+from .ranks import Stages, ports_fit, rank_address
 from .scheduler import KVXferScheduler
 from .settings import Settings
 from .stats import KVXferPromMetrics, KVXferStats
@@ -95,8 +94,8 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         stage = (pp_rank, pp) if pp > 1 else None
         self.settings = dataclasses.replace(self.settings, parallel=(tp, pp))
         listen = self.settings.listen  # under TP/PP each rank listens on its own port: the configured one + its rank
-        if listen and tp * pp > 1 and parse_address(listen)[1] + tp * pp - 1 > 65535:
-            raise ValueError(f"KVXferConnector: listen {self.settings.listen!r} leaves no port for every rank")
+        if listen and tp * pp > 1 and not ports_fit(listen, tp * pp):
+            raise ValueError(f"KVXferConnector: listen {listen!r} leaves no port for each of its {tp * pp} ranks")
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) > 1:
             raise ValueError(

@@ -41,6 +41,18 @@ def rank_address(address: str, rank: int) -> str:
     return f"{host}:{port + rank}"
 
 
+def ports_fit(address: str, ranks: int) -> bool:
+    """Whether ``host:port`` leaves a port for each of ``ranks`` worker ranks (port + rank <= 65535)."""
+    return parse_address(address)[1] + ranks - 1 <= 65535
+
+
+def hold_of(address: str, request_id: str, ranks: tuple[int, int], rank: int) -> tuple[str, str]:
+    """Where rank ``rank`` of a prefill of ``ranks`` (TP, PP) listens, given its ticket's ``address``, and the id it
+    holds ``request_id`` under."""
+    n = ranks[0] * ranks[1]
+    return (address if n == 1 else rank_address(address, rank)), hold_id(request_id, rank, n)
+
+
 def _reads(
     src: tuple[int, int], dst: tuple[int, int], dst_rank: tuple[int, int], heads: int, latent: bool, stages: Stages
 ) -> list[int]:

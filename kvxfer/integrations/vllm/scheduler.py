@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
-from .ranks import hold_id, rank_address
+from .ranks import hold_of
 from .settings import FETCH, HOLD, NONE, PARAMS_KEY, Claim, Settings, log, parse_claim
 
 if TYPE_CHECKING:
@@ -159,10 +159,8 @@ class KVXferScheduler:
         the end of the lease."""
         t = claim.ticket
         if t is not None and t.address:
-            n = t.ranks[0] * t.ranks[1]
-            for g in range(n):  # every prefill rank holds a share
-                address = t.address if n == 1 else rank_address(t.address, g)
-                self._decline_next.append((address, hold_id(claim.transfer_id, g, n), why))
+            for g in range(t.ranks[0] * t.ranks[1]):  # every prefill rank holds a share
+                self._decline_next.append((*hold_of(t.address, claim.transfer_id, t.ranks, g), why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         if not scheduler_output.total_num_scheduled_tokens and self._awaiting and not self._fetches:

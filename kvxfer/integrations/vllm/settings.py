@@ -13,6 +13,7 @@ import msgspec
 from ... import inline
 from ...channel import parse_address
 from ...errors import ConfigError
+from .ranks import ports_fit
 
 # A child of vLLM's logger: vLLM's handlers and level apply to it.
 log = logging.getLogger("vllm.kvxfer")
@@ -183,7 +184,7 @@ def _ticket(spec: dict) -> Ticket:
         or not all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_RANKS for n in ranks)
     ):
         raise ValueError(f'ticket field "ranks" must be [tensor-parallel size, pipeline-parallel size], got {ranks!r}')
-    if parse_address(address)[1] + ranks[0] * ranks[1] - 1 > 65535:
+    if not ports_fit(address, ranks[0] * ranks[1]):
         raise ValueError(f"ticket address {address!r} leaves no port for each of its {ranks[0] * ranks[1]} ranks")
     return Ticket(
         ranks=(ranks[0], ranks[1]),

@@ -30,7 +30,7 @@ from ...producer import Producer
 from ...shard import heads_of, sources, stripe
 from ...transfer import Transfer
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
-from .ranks import Stages, hold_id, plan, rank_address
+from .ranks import Source, Stages, hold_id, hold_of, plan
 from .settings import Settings, log
 from .stats import KVXferStats
 
@@ -344,7 +344,7 @@ class KVXferWorker:
         if fe.cancel_reason is not None:
             if self.rank == 0:  # one decode rank tells every prefill rank
                 for g in range(o.ranks[0] * o.ranks[1]):
-                    self._decline(*self._hold_of(o, g), fe.cancel_reason)
+                    self._decline(*hold_of(o.address, o.transfer_id, o.ranks, g), fe.cancel_reason)
             return
         fe.started = True
         try:
@@ -387,7 +387,7 @@ class KVXferWorker:
                 at = {"from_token": start, "tokens": tokens}
             sources, unread = self._sources(o)
             for src in sources:
-                address, hold = self._hold_of(o, src.rank)
+                address, hold = hold_of(o.address, o.transfer_id, o.ranks, src.rank)
                 t = consumer.fetch(
                     address, hold, ids, deadline=remaining, readers=src.readers, partial=src.partial, **at
                 )
@@ -395,7 +395,8 @@ class KVXferWorker:
                 t.add_done_callback(fe._one_ended)
             if self.rank == 0:
                 for g in unread:  # replicas no decode rank reads: their prefill ranks free them now
-                    self._decline(*self._hold_of(o, g), "a replica another prefill rank ships")
+                    address, hold = hold_of(o.address, o.transfer_id, o.ranks, g)
+                    self._decline(address, hold, "a replica another prefill rank ships")
         except KVXferError as e:
             fe.error = e
         except Exception as e:  # whatever happens, the request must be reported
@@ -409,17 +410,11 @@ class KVXferWorker:
         """The prefill ranks this rank fetches from (``ranks.plan``), and those no decode rank reads."""
         tp, pp = self.settings.parallel
         mine = (self.shard[0] if self.shard else 0, self.stage[0] if self.stage else 0)
-        if o.ranks == (1, 1) and (tp, pp) == (1, 1):
-            return plan((1, 1), (1, 1), (0, 0), 1, False, lambda s, n: (0, 1))
+        if o.ranks == (1, 1) and (tp, pp) == (1, 1):  # one rank on each side: it reads the whole hold
+            return [Source(0, 1, False)], []
         if self.stages is None:
             raise IncompatibleError("parallel prefill or decode ranks, but no pipeline stage layers known")
         return plan(o.ranks, (tp, pp), mine, self.kv_heads, self.replicated, self.stages)
-
-    @staticmethod
-    def _hold_of(o: FetchOrder, g: int) -> tuple[str, str]:
-        """Prefill rank ``g``'s listen address and the id it holds the request under."""
-        n = o.ranks[0] * o.ranks[1]
-        return (o.address if n == 1 else rank_address(o.address, g)), hold_id(o.transfer_id, g, n)
 
     def _decline(self, address: str, hold: str, why: str) -> None:
         consumer = self.consumer
