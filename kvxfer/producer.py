@@ -550,9 +550,9 @@ class Producer(HandleBase):
     def _digests(self, s: _ProducerSession, digests: bytes) -> bytes:
         """Per-block digests cover whole blocks: a consumer whose blocks hold other bytes (other tokens per block,
         other heads or layers) goes without."""
-        if not digests or s.link.paging().k != 1 or sharded(self.layout, s.peer.layout):
-            return b""
-        return b"" if staged(self.layout, s.peer.layout) else digests
+        a, b = self.layout, s.peer.layout
+        whole = s.link.paging().k == 1 and not sharded(a, b) and not staged(a, b)
+        return digests if whole else b""
 
     def _read_of(self, t: Transfer, s: _ProducerSession) -> Transfer:
         """A read of hold ``t`` (under ``_lock``) by one of its several readers: a transfer of its own."""
