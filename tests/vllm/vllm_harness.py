@@ -23,7 +23,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -125,11 +125,19 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(vc: VllmConfig, num_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=vc.cache_config.block_size, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=DTYPE)
-    cfg = get_kv_cache_config_from_groups(
-        vc, [KVCacheGroupSpec(list(LAYERS), spec)], spec.page_size_bytes * len(LAYERS) * num_blocks
-    )
+def make_kv_cache_config(vc: VllmConfig, num_blocks: int, window: int = 0) -> KVCacheConfig:
+    """One full-attention group of both layers; with ``window``, a hybrid model: layer 0 full attention (group 0)
+    and layer 1 sliding-window attention over ``window`` tokens (group 1), the two groups' tensors aliasing one
+    allocation as vLLM lays them out."""
+    geometry = {"block_size": vc.cache_config.block_size, "num_kv_heads": KV_HEADS, "head_size": HEAD, "dtype": DTYPE}
+    spec = FullAttentionSpec(**geometry)
+    groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+    if window:
+        groups = [
+            KVCacheGroupSpec([LAYERS[0]], spec),
+            KVCacheGroupSpec([LAYERS[1]], SlidingWindowSpec(**geometry, sliding_window=window)),
+        ]
+    cfg = get_kv_cache_config_from_groups(vc, groups, spec.page_size_bytes * len(groups[0].layer_names) * num_blocks)
     vc.cache_config.num_gpu_blocks = cfg.num_blocks
     return cfg
 
@@ -174,11 +182,14 @@ class Worker:
         g = torch.Generator().manual_seed(0)
         for t in {id(t): t for t in self.kv_caches.values()}.values():  # unwritten slots hold random bytes
             t.view(torch.int16).copy_(torch.randint(-3000, 3000, t.shape, generator=g, dtype=torch.int16))
-        self.block_tables: dict[str, list[int]] = {}
+        # the KV-cache group of each layer; req -> its block table in each group
+        self.group_of = {name: g for g, grp in enumerate(kvc.kv_cache_groups) for name in grp.layer_names}
+        self.block_tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.orders: list[ShipOrder] = []
         self.fetch_orders: list = []
-        self.tables_seen: dict[str, list[int]] = {}  # req -> its block table when first scheduled (kept after finish)
+        self.tables_seen: dict[str, list[int]] = {}  # req -> its group-0 block table (kept after finish)
+        self.group_tables_seen: dict[str, list[list[int]]] = {}  # req -> its table in every group
         self.connector = None
         if connector:
             self.connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
@@ -210,16 +221,20 @@ class Worker:
         if self.connector is not None:  # two engines in one process (P/D tests): the model runner's agent is ours
             kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         for r in so.scheduled_new_reqs:
-            self.block_tables[r.req_id] = list(r.block_ids[0])
+            self.block_tables[r.req_id] = [list(ids) for ids in r.block_ids]
             self.tokens[r.req_id] = list(r.prompt_token_ids)
-            self.tables_seen[r.req_id] = self.block_tables[r.req_id]
+            self.tables_seen[r.req_id] = self.block_tables[r.req_id][0]
+            self.group_tables_seen[r.req_id] = self.block_tables[r.req_id]
         c = so.scheduled_cached_reqs
+        groups = len(set(self.group_of.values()))
         for i, rid in enumerate(c.req_ids):
             nb = c.new_block_ids[i]
             if rid in c.resumed_req_ids:
-                self.block_tables[rid] = list(nb[0]) if nb else []
+                self.block_tables[rid] = [list(ids) for ids in nb] if nb else [[] for _ in range(groups)]
             elif nb:
-                self.block_tables.setdefault(rid, []).extend(nb[0])
+                tables = self.block_tables.setdefault(rid, [[] for _ in range(groups)])
+                for table, ids in zip(tables, nb, strict=True):
+                    table.extend(ids)
         starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         starts.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
         for rid in so.finished_req_ids:
@@ -267,10 +282,11 @@ class Worker:
     def _attention(self, li: int, name: str, so, starts: dict[str, int]) -> None:
         kv = self.kv_caches[name]  # [num_blocks, H, N, C] logical
         for rid, n in so.num_scheduled_tokens.items():
-            bt, toks = self.block_tables[rid], self.tokens[rid]
+            bt, toks = self.block_tables[rid][self.group_of[name]], self.tokens[rid]
             for pos in range(starts[rid], starts[rid] + n):
                 tok = toks[pos] if pos < len(toks) else 7
-                kv[bt[pos // self.block], :, pos % self.block, :] = slot_value(tok, pos, li)
+                if bt[pos // self.block]:  # the null block (a sliding window's past) holds nothing
+                    kv[bt[pos // self.block], :, pos % self.block, :] = slot_value(tok, pos, li)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -287,9 +303,10 @@ class Engine:
         worker_connector: bool = True,
         layout: str = "LBHNC",
         setup: Callable[[VllmConfig], None] | None = None,
+        window: int = 0,
     ):
         self.vc = make_vllm_config(ktc, max_batched=max_batched, block=block, layout=layout)
-        self.kvc = make_kv_cache_config(self.vc, num_blocks)
+        self.kvc = make_kv_cache_config(self.vc, num_blocks, window)
         if setup is not None:
             setup(self.vc)
         self.sched = Scheduler(
@@ -310,6 +327,7 @@ class Engine:
         self.first_computed: dict[str, int] = {}  # req -> num_computed_tokens when first scheduled (prefix hit)
         self.finished_recving: dict[str, int] = {}
         self.load_errors: set[int] = set()
+        self.failed_recving: set[str] = set()  # loads reported failed by request (models of several groups)
         self.stats: Any = None  # the connector's KVConnectorStats, aggregated over every step's output
 
     @property
@@ -318,9 +336,9 @@ class Engine:
         return c if isinstance(c, KVXferConnector) else next(x for x in c._connectors if isinstance(x, KVXferConnector))
 
     def add(self, req: Request) -> None:
+        self.sched.add_request(req)  # a connector may shorten the prompt here (``on_new_request``)
         self.prompt_len[req.request_id] = req.num_prompt_tokens
         self.prompts[req.request_id] = list(req.prompt_token_ids)
-        self.sched.add_request(req)
 
     def abort(self, rid: str) -> None:
         self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
@@ -339,6 +357,7 @@ class Engine:
             self.finished_recving[rid] = self.finished_recving.get(rid, 0) + 1
         if kvo is not None:
             self.load_errors |= set(kvo.invalid_block_ids or ())
+            self.failed_recving |= set(kvo.failed_recving or ())
             if kvo.kv_connector_stats is not None:
                 self.stats = (
                     kvo.kv_connector_stats if self.stats is None else self.stats.aggregate(kvo.kv_connector_stats)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1 import base
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -16,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...consumer import Consumer
 from ...producer import Producer
+from .groups import of_config
 from .metadata import KVXferConnectorMetadata, KVXferWorkerMetadata
 from .ranks import Stages, ports_fit, rank_address
 from .scheduler import KVXferScheduler
@@ -96,18 +98,21 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
         listen = self.settings.listen  # under TP/PP each rank listens on its own port: the configured one + its rank
         if listen and tp * pp > 1 and not ports_fit(listen, tp * pp):
             raise ValueError(f"KVXferConnector: listen {listen!r} leaves no port for each of its {tp * pp} ranks")
-        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-        if len(groups) > 1:
+        self.groups = of_config(kv_cache_config)  # the KV-cache groups that ship (``groups``)
+        if len(self.groups) > 1 and pp > 1:
             raise ValueError(
-                f"KVXferConnector ships one KV-cache group; this model has {len(groups)} "
-                "(hybrid attention): not supported yet"
+                f"KVXferConnector: {len(self.groups)} KV-cache groups under pipeline parallelism "
+                f"(pipeline_parallel_size={pp}): not supported"
             )
-        spec = groups[0].kv_cache_spec if groups else None
+        specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        spec = specs[self.groups[0].index].kv_cache_spec if specs else None
         self.block_size = int(getattr(spec, "block_size", 0) or vllm_config.cache_config.block_size)
         self.connector_scheduler: KVXferScheduler | None = None
         self.connector_worker: KVXferWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVXferScheduler(self.settings, self.block_size, produce=produce, fetch=fetch)
+            self.connector_scheduler = KVXferScheduler(
+                self.settings, self.block_size, produce=produce, fetch=fetch, groups=self.groups
+            )
         else:
             own = self.settings
             if listen and tp * pp > 1:
@@ -124,6 +129,8 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
                 layers=_stage_layers(vllm_config),
                 kv_heads=kv_heads,
             )
+            # vLLM 0.33 maps a failed load of a model of several groups by its request, not its block ids
+            self.connector_worker.fail_by_request = len(self.groups) > 1 and hasattr(base, "KVConnectorTransferResults")
 
     # ---- class-level hooks -------------------------------------------------------------------------------
     @classmethod
@@ -150,7 +157,11 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ----------------------------------------------------------------------------------
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return (0,)  # a fetch restores the request's own blocks of the one group
+        return tuple(g.index for g in self.groups)  # a fetch restores the request's blocks of every group that ships
+
+    def on_new_request(self, request: Request) -> None:
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.connector_scheduler is not None
@@ -175,6 +186,7 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        # the blocks each group ships were tracked from the scheduler's outputs; the delay holds every group's
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
@@ -222,6 +234,15 @@ class KVXferConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.connector_worker is not None
         return self.connector_worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.33: the finished transfers and, for a model of several KV-cache groups, the failed loads by
+        request (their block ids, unique only within a group, cannot name them)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        assert self.connector_worker is not None
+        sending, recving, failed = self.connector_worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.connector_worker is not None

@@ -22,6 +22,9 @@ class ShipOrder:
     digests: bool
     meta: dict
     lease_expires: float = 0.0  # a hold: time.time() when its lease ends (0: a push)
+    # each KV-cache group's (first prompt block, number of blocks), its blocks one after another in ``block_ids``;
+    # empty: one group, all of ``block_ids``
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -43,6 +46,9 @@ class FetchOrder:
     lease_expires: float
     deadline: float  # seconds from the order
     ranks: tuple[int, int] = (1, 1)  # the prefill's (TP, PP) sizes: its ranks hold shares (``ranks``)
+    # each KV-cache group's (first block of its hold to read, number of blocks), their blocks one after another in
+    # ``block_ids``; empty: one group, read from ``skip``
+    spans: list[tuple[int, int]] = field(default_factory=list)
     error: str = ""  # the scheduler could not map the blocks: fail at once (the request still waits for a report)
 
 

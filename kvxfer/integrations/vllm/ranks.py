@@ -29,10 +29,11 @@ class Source:
     partial: bool  # other prefill ranks fill the rest of this decode rank's blocks
 
 
-def hold_id(request_id: str, rank: int, ranks: int) -> str:
-    """The id prefill rank ``rank`` of ``ranks`` holds a request under: one id per rank, so a decode rank fetching
-    from several of them keeps their fetches apart."""
-    return request_id if ranks == 1 else f"{request_id}@{rank}"
+def hold_id(request_id: str, rank: int, ranks: int, group: int = 0) -> str:
+    """The id prefill rank ``rank`` of ``ranks`` holds KV-cache group ``group`` of a request under: one id per rank
+    and group, so a decode rank fetching several of them keeps their fetches apart."""
+    rid = request_id if ranks == 1 else f"{request_id}@{rank}"
+    return f"{rid}#{group}" if group else rid
 
 
 def rank_address(address: str, rank: int) -> str:
@@ -46,11 +47,11 @@ def ports_fit(address: str, ranks: int) -> bool:
     return parse_address(address)[1] + ranks - 1 <= 65535
 
 
-def hold_of(address: str, request_id: str, ranks: tuple[int, int], rank: int) -> tuple[str, str]:
+def hold_of(address: str, request_id: str, ranks: tuple[int, int], rank: int, group: int = 0) -> tuple[str, str]:
     """Where rank ``rank`` of a prefill of ``ranks`` (TP, PP) listens, given its ticket's ``address``, and the id it
-    holds ``request_id`` under."""
+    holds KV-cache group ``group`` of ``request_id`` under."""
     n = ranks[0] * ranks[1]
-    return (address if n == 1 else rank_address(address, rank)), hold_id(request_id, rank, n)
+    return (address if n == 1 else rank_address(address, rank)), hold_id(request_id, rank, n, group)
 
 
 def _reads(

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .groups import NULL_BLOCK, ONE, Group, spans, tables, windowed
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
 from .ranks import hold_of
-from .settings import FETCH, HOLD, NONE, PARAMS_KEY, Claim, Settings, log, parse_claim
+from .settings import FETCH, HOLD, NONE, PARAMS_KEY, PUSH, Claim, Settings, log, parse_claim
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -30,7 +31,7 @@ IDLE_PACE = 0.005  # seconds an engine stepping only for this connector's holds 
 class _Tracked:
     claim: Claim
     prompt_len: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # the request's table in each shipping group
     attempt: int = 0  # ship orders issued so far (0 or 1)
     inflight: bool = False  # ordered, end not heard from the worker yet
     outcome: tuple[str, str | None] | None = None  # (status, error) of the attempt once it ended
@@ -45,7 +46,8 @@ class _Fetch:
     claim: Claim
     held_tokens: int = 0  # prompt tokens the hold covers (capped at this prompt)
     skip: int = 0  # held blocks already here (local prefix-cache hit)
-    block_ids: list[int] = field(default_factory=list)  # ours, for held blocks [skip, skip + len)
+    block_ids: list[int] = field(default_factory=list)  # ours, each group's blocks to load, one group after another
+    spans: list[tuple[int, int]] = field(default_factory=list)  # per group: (first block of its hold to read, count)
     to_order: bool = False
     ordered: bool = False
     error: str = ""  # the blocks could not be mapped: the worker fails the order at once
@@ -57,11 +59,20 @@ class KVXferScheduler:
     """Scheduler-side state and hooks; for a request without a claim every hook is a no-op.
 
     ``produce``: push and hold claims are served (``kv_producer``, ``kv_both``); ``fetch``: tickets are loaded
-    (``kv_consumer``, ``kv_both``)."""
+    (``kv_consumer``, ``kv_both``); ``groups``: the KV-cache groups that ship (``groups.of_config``)."""
 
-    def __init__(self, settings: Settings, block_size: int, *, produce: bool = True, fetch: bool = False):
+    def __init__(
+        self,
+        settings: Settings,
+        block_size: int,
+        *,
+        produce: bool = True,
+        fetch: bool = False,
+        groups: tuple[Group, ...] = ONE,
+    ):
         self.settings = settings
         self.block_size = block_size
+        self.groups = groups
         self.produce, self.fetch = produce, fetch
         self.fingerprint = ""  # the worker's layout id, once it reported it (put in hold tickets)
         self._tracked: dict[str, _Tracked] = {}
@@ -115,16 +126,64 @@ class KVXferScheduler:
             return
         f.held_tokens = self._held_tokens(request, claim)
         local = f.held_tokens - num_external_tokens
-        ids = blocks.get_block_ids()
-        table = list(ids[0]) if ids else []
-        n = math.ceil(f.held_tokens / self.block_size)
         f.skip = max(0, local) // self.block_size
-        f.block_ids = table[f.skip : n]
         f.to_order = True  # vLLM now waits for this request's finished_recving, whatever happens
         log.debug("kvxfer: request %s: %d held tokens to load, blocks allocated", rid, f.held_tokens)
-        if local < 0 or local % self.block_size or len(table) < n:
-            f.error = f"internal: {local} local tokens, {len(table)} blocks for {n} held blocks"
+        tabs = tables(self.groups, blocks.get_block_ids())
+        if local < 0 or local % self.block_size:
+            f.error = f"internal: {local} local tokens for {f.held_tokens} held tokens"
+        else:
+            f.error = self._map_groups(f, claim, tabs)
+        if f.error:  # the fetch fails at once: every block it would have filled is a load error
+            n = math.ceil(f.held_tokens / self.block_size)
+            f.block_ids = [b for table in tabs for b in table[f.skip : n] if b != NULL_BLOCK]
+            f.spans = []
             log.error("kvxfer: request %s: %s", rid, f.error)
+
+    def _map_groups(self, f: _Fetch, claim: Claim, tabs: list[list[int]]) -> str:
+        """Our blocks to load in each KV-cache group, and where they start in the group's hold: a full-attention
+        group from the local hit on, a sliding-window group from the first block its window keeps (the prefill
+        held the same span, ``groups``). Returns why they cannot be mapped, or ""."""
+        t = claim.ticket
+        assert t is not None
+        held = t.groups or ((0, t.num_blocks),)
+        if len(held) != len(self.groups):
+            return f"the prefill ships {len(held)} KV-cache group(s), this instance has {len(self.groups)}"
+        n = math.ceil(f.held_tokens / self.block_size)
+        if t.block_size != self.block_size:  # one group, mapped through token positions by the fetch itself
+            if len(held) > 1 or windowed(self.groups):
+                return (
+                    f"the prefill has {t.block_size} tokens per block, this instance {self.block_size}: blocks of "
+                    "several KV-cache groups or of a sliding window map only block for block"
+                )
+            f.block_ids = tabs[0][f.skip : n]
+            return "" if len(f.block_ids) == n - f.skip else f"internal: blocks {tabs[0]} for held blocks [0, {n})"
+        for i, (g, table, (first, count)) in enumerate(zip(self.groups, tabs, held, strict=True)):
+            start = max(f.skip, g.first_block(f.held_tokens, self.block_size))
+            ids = table[start:n]
+            if start < first or first + count < n:
+                return f"group {i}: the prefill holds blocks [{first}, {first + count}), we need [{start}, {n})"
+            if len(ids) < n - start or NULL_BLOCK in ids:
+                return f"internal: group {i} has blocks {table} for held blocks [{start}, {n})"
+            f.block_ids += ids
+            f.spans.append((start - first, n - start))
+        return ""
+
+    # ---- producer role -----------------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        """A hold of a model with a sliding window leaves the last prompt token to the decode instance
+        (``groups``): drop it here, before anything is scheduled, and stop after the prefill."""
+        if not self.produce or not windowed(self.groups) or request.num_prompt_tokens < 2:
+            return
+        claim = parse_claim(request.kv_transfer_params, request.request_id, self.settings)
+        if claim is None or claim.kind != HOLD or claim.error or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-1:]
+        del request._all_token_ids[-1:]
+        request.num_prompt_tokens -= 1
+        del request.block_hashes[request.num_prompt_tokens // self.block_size :]
+        request.max_tokens = 1
+        log.debug("kvxfer: request %s: held without its last prompt token (a sliding window)", request.request_id)
 
     # ---- both roles --------------------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -146,21 +205,27 @@ class KVXferScheduler:
             st = self._tracked[rid] = _Tracked(claim, int(request.num_prompt_tokens))
             st.num_blocks = math.ceil(st.prompt_len / self.block_size)
             sp = getattr(request, "sampling_params", None)
+            if claim.kind == PUSH and windowed(self.groups) and (getattr(sp, "max_tokens", 1) or 1) > 1:
+                claim.error = (
+                    "a sliding-window group's blocks are freed while the request decodes on: push only from a "
+                    "request that ends with its prefill (max_tokens=1)"
+                )
+                log.warning("kvxfer: request %s: %s; its KV will not be shipped", rid, claim.error)
             if claim.digests and st.prompt_len % self.block_size and (getattr(sp, "max_tokens", 1) or 1) > 1:
                 # The request decodes on while its KV ships: the next tokens land in the tail of the last prompt
                 # block, under the transfer, so a whole-block digest would fail for no fault of the transport.
                 claim.digests = False
                 log.debug("kvxfer: request %s decodes after prefill into a partial last block: no digests", rid)
-        ids = blocks.get_block_ids()
-        st.block_ids = list(ids[0]) if ids else []  # first allocation or resume: the whole table
+        st.block_ids = tables(self.groups, blocks.get_block_ids())  # first allocation or resume: the whole table
 
     def _decline(self, claim: Claim, why: str) -> None:
         """The worker tells the prefill that this ticket will not be fetched: it frees the blocks now, not at
         the end of the lease."""
         t = claim.ticket
         if t is not None and t.address:
-            for g in range(t.ranks[0] * t.ranks[1]):  # every prefill rank holds a share
-                self._decline_next.append((*hold_of(t.address, claim.transfer_id, t.ranks, g), why))
+            for g in range(t.ranks[0] * t.ranks[1]):  # every prefill rank holds a share, one hold per group
+                for group in range(len(t.groups) or 1):
+                    self._decline_next.append((*hold_of(t.address, claim.transfer_id, t.ranks, g, group), why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         if not scheduler_output.total_num_scheduled_tokens and self._awaiting and not self._fetches:
@@ -189,7 +254,7 @@ class KVXferScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             st = self._tracked.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                st.block_ids = tables(self.groups, new.block_ids)
                 self._maybe_order(meta, new.req_id, st, new.num_computed_tokens, nst.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -198,9 +263,10 @@ class KVXferScheduler:
                 continue
             nb = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.block_ids = list(nb[0]) if nb else []
+                st.block_ids = tables(self.groups, nb)
             elif nb:
-                st.block_ids.extend(nb[0])
+                for table, ids in zip(st.block_ids, tables(self.groups, nb), strict=True):
+                    table.extend(ids)
             self._maybe_order(meta, rid, st, cached.num_computed_tokens[i], nst.get(rid, 0))
         return meta
 
@@ -219,6 +285,7 @@ class KVXferScheduler:
             lease_expires=t.lease_expires,
             deadline=f.claim.deadline,
             ranks=t.ranks,
+            spans=f.spans,
             error=f.error,
         )
 
@@ -229,13 +296,18 @@ class KVXferScheduler:
             return  # malformed claim, or already ordered (one attempt per request)
         if computed + scheduled < st.prompt_len:
             return  # a chunk of the prompt; the rest comes in later steps
-        if len(st.block_ids) < st.num_blocks:
-            st.claim.error = (
-                f"internal: {len(st.block_ids)} blocks tracked for a {st.prompt_len}-token prompt "
-                f"({st.num_blocks} needed)"
-            )
-            log.error("kvxfer: request %s: %s", rid, st.claim.error)
-            return
+        sp = spans(self.groups, st.prompt_len, self.block_size)
+        ids: list[int] = []
+        for i, ((first, count), table) in enumerate(zip(sp, st.block_ids, strict=True)):
+            part = table[first : first + count]
+            if len(part) < count or NULL_BLOCK in part:
+                st.claim.error = (
+                    f"internal: group {i} tracks blocks {table} for a {st.prompt_len}-token prompt "
+                    f"(blocks [{first}, {first + count}) needed)"
+                )
+                log.error("kvxfer: request %s: %s", rid, st.claim.error)
+                return
+            ids += part
         c = st.claim
         st.attempt += 1
         st.inflight = True
@@ -246,15 +318,24 @@ class KVXferScheduler:
                 req_id=rid,
                 transfer_id=c.transfer_id,
                 consumer=c.consumer,
-                block_ids=st.block_ids[: st.num_blocks],
+                block_ids=ids,
                 num_tokens=st.prompt_len,
                 attempt=st.attempt,
                 deadline=c.deadline,
                 digests=c.digests,
-                meta={**c.meta, "num_tokens": st.prompt_len, "block_size": self.block_size, "vllm_request_id": rid},
+                meta={**c.meta, **self._groups_info(st.prompt_len), "vllm_request_id": rid},
                 lease_expires=st.lease_expires,
+                spans=sp,
             )
         )
+
+    def _groups_info(self, tokens: int) -> dict[str, Any]:
+        """What a consumer needs to place the blocks: tokens, tokens per block, and with several KV-cache groups or
+        a sliding window each group's ``[first block, number of blocks]`` (its blocks follow one another)."""
+        info: dict[str, Any] = {"num_tokens": tokens, "block_size": self.block_size}
+        if self.groups != ONE:
+            info["groups"] = [list(span) for span in spans(self.groups, tokens, self.block_size)]
+        return info
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for rid in connector_output.finished_sending or ():
@@ -312,9 +393,8 @@ class KVXferScheduler:
         c = st.claim
         info: dict[str, Any] = {
             "request_id": c.transfer_id,
-            "num_tokens": st.prompt_len,
+            **self._groups_info(st.prompt_len),
             "num_blocks": st.num_blocks,
-            "block_size": self.block_size,
             "digests": c.digests,
         }
         if c.kind == HOLD and st.attempt:

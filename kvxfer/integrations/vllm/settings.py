@@ -20,6 +20,7 @@ log = logging.getLogger("vllm.kvxfer")
 
 PARAMS_KEY = "kvxfer"
 MAX_RANKS = 1024  # a ticket's tensor- or pipeline-parallel size, at most
+MAX_GROUPS = 64  # a ticket's KV-cache groups, at most
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,9 @@ class Ticket:
     lease_expires: float  # time.time() epoch
     fingerprint: str = ""  # the prefill layout's ``fingerprint_id`` ("" when the prefill did not know it yet)
     ranks: tuple[int, int] = (1, 1)  # the prefill's (TP, PP) sizes: each of its ranks holds a share (``ranks``)
+    # each KV-cache group's held (first block, number of blocks), one hold per group (``groups``); () for one group
+    # holding every block
+    groups: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -186,8 +190,23 @@ def _ticket(spec: dict) -> Ticket:
         raise ValueError(f'ticket field "ranks" must be [tensor-parallel size, pipeline-parallel size], got {ranks!r}')
     if not ports_fit(address, ranks[0] * ranks[1]):
         raise ValueError(f"ticket address {address!r} leaves no port for each of its {ranks[0] * ranks[1]} ranks")
+    groups = spec.get("groups", [])
+    if (
+        not isinstance(groups, list)
+        or len(groups) > MAX_GROUPS
+        or not all(
+            isinstance(g, list)
+            and len(g) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in g)
+            and g[0] >= 0
+            and g[1] >= 1
+            for g in groups
+        )
+    ):
+        raise ValueError(f'ticket field "groups" must be a list of [first block, number of blocks], got {groups!r}')
     return Ticket(
         ranks=(ranks[0], ranks[1]),
+        groups=tuple((g[0], g[1]) for g in groups),
         address=address,
         request_id=rid,
         num_tokens=num("num_tokens", int),

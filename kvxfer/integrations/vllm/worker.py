@@ -52,7 +52,7 @@ class _Shipment:
         life = order.lease_expires - time.time() if order.lease_expires else order.deadline
         self.end_by = self.t0 + max(0.0, life)
         self.state = QUEUED
-        self.transfer: Transfer | None = None
+        self.transfers: list[Transfer] = []  # a push: one; a hold: one per KV-cache group
         self.cancel_reason: str | None = None
         self.error: str | None = None
         self.forget = False  # the request finished without holding its blocks: drop it once ended
@@ -69,10 +69,8 @@ def _unpushed(o: ShipOrder) -> DeadlineError:
     return DeadlineError(f"deadline of {o.deadline:g}s passed before the push started")
 
 
-def _moving(t: Transfer | None) -> float:
+def _moving(t: Transfer) -> float:
     """Seconds the bytes of a transfer moved (a hold's wait for its fetch is not transfer time)."""
-    if t is None:
-        return 0.0
     end = t.timings.get("moved", t.timings.get("completed", t.timings["submitted"]))
     start = t.timings.get("admitted", t.timings["submitted"])
     return end - start if end > start else max(0.0, end - t.timings["submitted"])
@@ -171,6 +169,10 @@ class KVXferWorker:
         self._fetches: dict[str, _Fetching] = {}
         self._fetch_queue: list[_Fetching] = []
         self._load_errors: set[int] = set()
+        # a model of several KV-cache groups (whose block ids vLLM cannot map back to requests) reports a failed
+        # load by its request: ``failed_recving``
+        self.fail_by_request = False
+        self._failed_recving: set[str] = set()
         self._fetched: dict[str, dict] = {}
         self.layout: KVLayout | None = None
         self.ratio = 1  # kernel blocks per scheduler block
@@ -325,10 +327,10 @@ class KVXferWorker:
             if sh.ended or sh.cancel_reason is not None:
                 return
             sh.cancel_reason = reason
-            t = sh.transfer
-        if t is not None:
+            ts = list(sh.transfers)
+        for t in ts:
             t.cancel(reason)
-        else:
+        if not ts:
             self._end(sh, "cancelled", reason, if_queued=True)
 
     # ---- fetching ----------------------------------------------------------------------------------------
@@ -342,9 +344,10 @@ class KVXferWorker:
     def _start_fetch(self, fe: _Fetching) -> None:
         o = fe.order
         if fe.cancel_reason is not None:
-            if self.rank == 0:  # one decode rank tells every prefill rank
+            if self.rank == 0:  # one decode rank tells every prefill rank, of every group
                 for g in range(o.ranks[0] * o.ranks[1]):
-                    self._decline(*hold_of(o.address, o.transfer_id, o.ranks, g), fe.cancel_reason)
+                    for group in range(len(o.spans) or 1):
+                        self._decline(*hold_of(o.address, o.transfer_id, o.ranks, g, group), fe.cancel_reason)
             return
         fe.started = True
         try:
@@ -378,25 +381,21 @@ class KVXferWorker:
             log.debug(
                 "kvxfer: request %s: fetching %r from %s, %.3fs left", o.req_id, o.transfer_id, o.address, remaining
             )
-            ids = self._kernel_ids(o.block_ids)
-            at: dict = {"skip": o.skip * self.ratio}
-            if paged:  # our blocks hold the held tokens from the first one not here; the prefill's are counted so
-                start = o.skip * self.block_size
-                tokens = o.num_tokens - start
-                ids = ids[: -(-tokens // layout.fingerprint.block_size)]
-                at = {"from_token": start, "tokens": tokens}
+            reads = self._reads(o, layout)
             sources, unread = self._sources(o)
             for src in sources:
-                address, hold = hold_of(o.address, o.transfer_id, o.ranks, src.rank)
-                t = consumer.fetch(
-                    address, hold, ids, deadline=remaining, readers=src.readers, partial=src.partial, **at
-                )
-                fe.transfers.append(t)
-                t.add_done_callback(fe._one_ended)
+                for group, (ids, at) in enumerate(reads):  # one hold per KV-cache group
+                    address, hold = hold_of(o.address, o.transfer_id, o.ranks, src.rank, group)
+                    t = consumer.fetch(
+                        address, hold, ids, deadline=remaining, readers=src.readers, partial=src.partial, **at
+                    )
+                    fe.transfers.append(t)
+                    t.add_done_callback(fe._one_ended)
             if self.rank == 0:
                 for g in unread:  # replicas no decode rank reads: their prefill ranks free them now
-                    address, hold = hold_of(o.address, o.transfer_id, o.ranks, g)
-                    self._decline(address, hold, "a replica another prefill rank ships")
+                    for group in range(len(reads)):
+                        address, hold = hold_of(o.address, o.transfer_id, o.ranks, g, group)
+                        self._decline(address, hold, "a replica another prefill rank ships")
         except KVXferError as e:
             fe.error = e
         except Exception as e:  # whatever happens, the request must be reported
@@ -405,6 +404,19 @@ class KVXferWorker:
             fe.cancel(f"fetch failed: {fe.error}")
         elif fe.cancel_reason is not None:
             fe.cancel(fe.cancel_reason)
+
+    def _reads(self, o: FetchOrder, layout: KVLayout) -> list[tuple[np.ndarray, dict]]:
+        """Each KV-cache group's read: our (kernel) blocks, and where in the group's hold they start."""
+        ids = self._kernel_ids(o.block_ids)
+        if o.block_size != self.block_size:  # one group: our blocks hold the held tokens from the first one not here
+            start = o.skip * self.block_size
+            tokens = o.num_tokens - start
+            return [(ids[: -(-tokens // layout.fingerprint.block_size)], {"from_token": start, "tokens": tokens})]
+        out, at = [], 0
+        for skip, count in o.spans or [(o.skip, len(o.block_ids))]:
+            out.append((ids[at * self.ratio : (at + count) * self.ratio], {"skip": skip * self.ratio}))
+            at += count
+        return out
 
     def _sources(self, o: FetchOrder):
         """The prefill ranks this rank fetches from (``ranks.plan``), and those no decode rank reads."""
@@ -455,7 +467,10 @@ class KVXferWorker:
         self._ended[rid] = (1, status, msg)
         self._fetched[rid] = {"seconds": round(seconds, 6)}
         # vLLM recomputes these blocks or fails the request (kv_load_failure_policy)
-        self._load_errors.update(o.block_ids)
+        if self.fail_by_request:
+            self._failed_recving.add(rid)
+        else:
+            self._load_errors.update(o.block_ids)
         log.warning(
             "kvxfer: request %s: fetch of %r from %s %s after %.3fs: %s",
             rid,
@@ -522,14 +537,12 @@ class KVXferWorker:
             remaining = sh.end_by - time.monotonic()
             if remaining <= 0:
                 raise _unpushed(o)
-            tp, pp = self.settings.parallel
             part = self._part() if o.kind != "hold" else {}
             if part is None:  # a replica another rank ships
                 return self._end(sh, "done", None)
             ids = self._kernel_ids(o.block_ids)
-            if o.kind == "hold":  # every rank holds its own share, under an id of its own (``ranks``)
-                held = hold_id(o.transfer_id, self.rank, tp * pp)
-                t = producer.hold(held, ids, lease=remaining, meta=o.meta, digests=o.digests)
+            if o.kind == "hold":  # every rank holds its share of each group, under an id of its own (``ranks``)
+                ts = self._hold(producer, o, ids, remaining)
             else:
                 kernel = producer.layout.fingerprint.block_size
                 t = producer.push(
@@ -544,15 +557,34 @@ class KVXferWorker:
                     retry_busy=self.settings.retry_busy,
                     **part,
                 )
+                ts = [t]
         except Exception as e:  # whatever happens, the request must be reported
             self._end_with(sh, e)
             return
         with sh.lock:
-            sh.transfer, sh.state = t, SHIPPING
+            sh.transfers, sh.state = ts, SHIPPING
             reason = sh.cancel_reason
-        if reason is not None:
-            t.cancel(reason)
-        t.add_done_callback(functools.partial(self._transfer_ended, sh))
+        for t in ts:
+            if reason is not None:
+                t.cancel(reason)
+            t.add_done_callback(functools.partial(self._transfer_ended, sh))
+
+    def _hold(self, producer: Producer, o: ShipOrder, ids: np.ndarray, lease: float) -> list[Transfer]:
+        """One hold per KV-cache group (``o.spans``); if one cannot start, the others end at once."""
+        tp, pp = self.settings.parallel
+        ts: list[Transfer] = []
+        at = 0
+        try:
+            for group, (_, count) in enumerate(o.spans or [(0, len(o.block_ids))]):
+                held = hold_id(o.transfer_id, self.rank, tp * pp, group)
+                part = ids[at * self.ratio : (at + count) * self.ratio]
+                ts.append(producer.hold(held, part, lease=lease, meta=o.meta, digests=o.digests))
+                at += count
+        except BaseException:
+            for t in ts:  # nobody fetched them yet: cancelling ends them now
+                t.cancel("another KV-cache group of the request could not be held")
+            raise
+        return ts
 
     def _part(self) -> dict | None:
         """Push arguments of this rank's share of a request: ``{}`` unsharded; under tensor parallelism its heads
@@ -609,11 +641,21 @@ class KVXferWorker:
         return ids
 
     def _transfer_ended(self, sh: _Shipment, t: Transfer) -> None:
-        """The push's done callback, in the thread that ended it (a producer thread, or the launcher)."""
-        if t.error is None:
+        """A transfer's done callback, in the thread that ended it (a producer thread, or the launcher): the
+        shipment ends with its last transfer; one that failed stops the others (a hold of each group)."""
+        with sh.lock:
+            ts = list(sh.transfers)
+        if t.error is not None and not isinstance(t.error, CancelledError):
+            for other in ts:
+                other.cancel(f"another KV-cache group's transfer failed: {t.error}")
+        if not all(x.done() for x in ts):
+            return
+        first = next((x.error for x in ts if x.error is not None and not isinstance(x.error, CancelledError)), None)
+        error = first or next((x.error for x in ts if x.error is not None), None)
+        if error is None:
             self._end(sh, "done", None)
         else:
-            self._end_with(sh, t.error)
+            self._end_with(sh, error)
 
     def _end_with(self, sh: _Shipment, e: BaseException, *, if_queued: bool = False) -> None:
         if isinstance(e, CancelledError) or sh.cancel_reason is not None:
@@ -630,14 +672,14 @@ class KVXferWorker:
                 return
             sh.state, sh.error = status, error
         dt = time.monotonic() - sh.t0
-        t = sh.transfer
+        nbytes = sum(int(t.nbytes) for t in sh.transfers)
         where = o.consumer or "the consumer fetching its hold"
         if status == "done":
             log.debug(
                 "kvxfer: request %s: %d blocks (%d bytes) shipped to %s as %r in %.3fs",
                 o.req_id,
                 len(o.block_ids),
-                t.nbytes if t else 0,
+                nbytes,
                 where,
                 o.transfer_id,
                 dt,
@@ -655,7 +697,8 @@ class KVXferWorker:
             )
         with self._lock:
             self._ended[o.req_id] = (o.attempt, status, error)
-            self.stats.record(o.kind, ok=status == "done", nbytes=t.nbytes if t else 0, seconds=_moving(t))
+            seconds = max((_moving(t) for t in sh.transfers), default=0.0)
+            self.stats.record(o.kind, ok=status == "done", nbytes=nbytes, seconds=seconds)
 
     def _expire_queued(self) -> None:
         """A shipment still queued at its deadline (its launcher busy connecting elsewhere) fails now."""
@@ -667,8 +710,13 @@ class KVXferWorker:
 
     # ---- reporting ---------------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self.transfer_results(finished_req_ids)
+        return sending, recving
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None, set[str]]:
         """Report each held request once: after it finished in vLLM and its transfer ended (any outcome); each
-        fetching request once its fetch ended (any outcome: a failed one's blocks go to the load errors)."""
+        fetching request once its fetch ended (any outcome: a failed one's blocks go to the load errors, or with
+        several KV-cache groups the request to the failed receives, reported with it)."""
         self._expire_queued()
         sending: set[str] = set()
         recving: set[str] = set()
@@ -698,7 +746,8 @@ class KVXferWorker:
             for rid, sh in list(self._shipments.items()):
                 if sh.forget and sh.ended:
                     del self._shipments[rid]
-        return (sending or None), (recving or None)
+            failed, self._failed_recving = self._failed_recving, set()
+        return (sending or None), (recving or None), failed
 
     def build_connector_worker_meta(self) -> KVXferWorkerMetadata | None:
         # The layout id goes to the scheduler here, not through get_handshake_metadata: MultiConnector forwards
