@@ -315,25 +315,32 @@ def _wait_recved(w, rid: str, timeout: float = 15.0) -> None:
 
 
 PD_CASES = [(2, 1, 1, 1), (1, 1, 2, 1), (2, 1, 2, 1), (4, 1, 1, 1), (1, 1, 4, 1), (1, 2, 1, 1), (2, 2, 1, 2)]
-PD_CASES = [(*c, False) for c in PD_CASES] + [
-    (2, 1, 1, 1, True),
-    (1, 1, 2, 1, True),
-    (4, 1, 2, 1, True),
-    (2, 2, 1, 1, True),
+PD_CASES = [(*c, False, False) for c in PD_CASES] + [
+    (2, 1, 1, 1, True, False),
+    (1, 1, 2, 1, True, False),
+    (4, 1, 2, 1, True, False),
+    (2, 2, 1, 1, True, False),
+    (2, 1, 1, 1, False, True),
+    (1, 1, 4, 1, False, True),
+    (4, 1, 1, 1, False, True),
 ]
 
 
 @pytest.mark.parametrize(
-    "p,q,d,r,mla", PD_CASES, ids=[f"tp{p}pp{q}-into-tp{d}pp{r}{'-mla' * m}" for p, q, d, r, m in PD_CASES]
+    "p,q,d,r,mla,groups",
+    PD_CASES,
+    ids=[f"tp{p}pp{q}-into-tp{d}pp{r}{'-mla' * m}{'-2groups' * g}" for p, q, d, r, m, g in PD_CASES],
 )
-def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, monkeypatch, p, q, d, r, mla):
+def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, monkeypatch, p, q, d, r, mla, groups):
     """A prefill of TP ``p`` x PP ``q`` holds a request on every rank (``ranks``: rank g listens on the port + g
     and holds ``<id>@<g>``); a decode of TP ``d`` x PP ``r`` gets one fetch order per rank, as the rank-agnostic
     scheduler sends it, and each decode rank fetches its heads of its layers from the prefill ranks holding them
     (with 2 kv heads, TP 4 replicates each head on two ranks: the unread replicas are declined). Every decode
     rank's blocks equal the reference's; every prefill rank's hold ends done or declined, and every decode rank
     reports the request received. MLA: every rank holds the latent cache whole; decode rank ``c`` reads it from
-    prefill rank ``c % p`` (of each stage holding its layers), the others are declined."""
+    prefill rank ``c % p`` (of each stage holding its layers), the others are declined. Two KV-cache groups (a
+    hybrid model; here the second a window's tail of two blocks): every rank holds each group (``<id>@<g>#1``) and
+    every decode rank reads each."""
     vh.init_single_process_world(vh.make_vllm_config(None))
     from vllm.config import ModelConfig
 
@@ -362,13 +369,30 @@ def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, mo
     decode, dcaches = _instance(vh, "kv_consumer", d, r, split(d), blocks, zero)
     try:
         src, dst = [3, 7, 1], [9, 0, 4]
-        hold = ShipOrder("p1", "tp-hold", "", src, 3 * block, 1, 10.0, False, {}, lease_expires=time.time() + 20)
+        spans = {"src": [], "dst": []}
+        if groups:  # group 1 holds prompt blocks [1, 3); the decode reads them into its own two
+            src, dst = src + [5, 8], dst + [2, 6]
+            spans = {"src": [(0, 3), (1, 2)], "dst": [(0, 3), (0, 2)]}
+        hold = ShipOrder(
+            "p1", "tp-hold", "", src, 3 * block, 1, 10.0, False, {}, lease_expires=time.time() + 20, spans=spans["src"]
+        )
         for w in prefill:
             w.bind_connector_metadata(KVXferConnectorMetadata(ship=[copy.deepcopy(hold)]))
             w.wait_for_save()
             w.clear_connector_metadata()
         order = FetchOrder(
-            "d1", "tp-hold", f"127.0.0.1:{base}", dst, 0, 3 * block, block, "", time.time() + 20, 10.0, (p, q)
+            "d1",
+            "tp-hold",
+            f"127.0.0.1:{base}",
+            dst,
+            0,
+            3 * block,
+            block,
+            "",
+            time.time() + 20,
+            10.0,
+            (p, q),
+            spans=spans["dst"],
         )
         for w in decode:
             w.bind_connector_metadata(KVXferConnectorMetadata(fetch=[copy.deepcopy(order)]))

@@ -25,12 +25,15 @@ The modules, one job each:
   ``Consumer``, starts pushes and holds after the forward pass and fetches before it (no thread waits for a
   transfer) and reports each request exactly once (``finished_sending`` / ``finished_recving``, load errors).
 - ``stats``: the transfers, per kind, for vLLM's connector stats and Prometheus metrics.
+- ``ranks``: which prefill ranks each decode rank fetches from, and where they hold.
+- ``groups``: which blocks of each KV-cache group ship (a sliding window: only the tail it keeps).
 - ``metadata``: what the halves send each other every step.
 - ``settings``: ``kv_connector_extra_config`` and the per-request claim.
 - ``plugin``: the ``vllm.general_plugins`` entry point that registers the connector's name in every vLLM process.
 
 Supported: vLLM >=0.32,<0.34 (0.33 adds ``supports_sleep_mode`` / ``unregister_kv_caches`` /
-``restore_kv_caches``), one KV-cache group, tensor- and pipeline-parallel size 1. See docs/vllm.md.
+``restore_kv_caches``), tensor and pipeline parallelism, full-attention and sliding-window KV-cache groups. See
+docs/vllm.md.
 """
 
 from .connector import KVXferConnector
