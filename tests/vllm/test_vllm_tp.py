@@ -371,7 +371,7 @@ def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, mo
         src, dst = [3, 7, 1], [9, 0, 4]
         spans = {"src": [], "dst": []}
         if groups:  # group 1 holds prompt blocks [1, 3); the decode reads them into its own two
-            src, dst = src + [5, 8], dst + [2, 6]
+            src, dst = [*src, 5, 8], [*dst, 2, 6]
             spans = {"src": [(0, 3), (1, 2)], "dst": [(0, 3), (0, 2)]}
         hold = ShipOrder(
             "p1", "tp-hold", "", src, 3 * block, 1, 10.0, False, {}, lease_expires=time.time() + 20, spans=spans["src"]
