@@ -23,21 +23,6 @@ def _pair(vh, engines, transport="tcp", *, lease=30, policy=None, **extra):
     return p, d
 
 
-def _run_both(p, d, timeout=30.0) -> None:
-    t0 = time.monotonic()
-    while p.busy() or d.busy():
-        assert time.monotonic() - t0 < timeout, (p.kvxfer.pending(), d.kvxfer.pending(), d.worker.kvxfer.pending())
-        for e in (p, d):
-            if e.busy():
-                e.step()
-
-
-def _prefill(vh, p, rid, n, seed, claim=None, max_tokens=1) -> dict:
-    p.add(vh.make_request(rid, n, max_tokens, {"kvxfer": claim if claim is not None else {}}, seed=seed))
-    p.run(until=lambda e: "kv_transfer_params" in e.outputs.get(rid, {}))
-    return p.outputs[rid]["kv_transfer_params"]
-
-
 def _first_kept(tokens: int) -> int:
     """The first block vLLM's sliding-window manager keeps once ``tokens`` tokens are computed."""
     return max(0, tokens - (WINDOW - 1)) // BLOCK
@@ -69,14 +54,14 @@ def test_hybrid_pd_round_trip_moves_each_groups_blocks(vh, engines, transport):
     sizes = {"one": 1, "exact": 32, "plus1": 33, "long": 100, "chunked": 150}
     tickets = {}
     for i, (name, n) in enumerate(sizes.items()):
-        t = tickets[name] = _prefill(vh, p, f"p-{name}", n, seed=i + 1, claim={"request_id": f"kvx-{name}"})["kvxfer"]
+        t = tickets[name] = p.prefill(f"p-{name}", n, seed=i + 1, claim={"request_id": f"kvx-{name}"})["kvxfer"]
         held = n - 1 if n > 1 else n
         assert t["status"] == "held" and t["num_tokens"] == held, t
         blocks = -(-held // BLOCK)
         assert t["groups"] == [[0, blocks], [_first_kept(held), blocks - _first_kept(held)]], t
     for i, (name, n) in enumerate(sizes.items()):
         d.add(vh.make_request(f"d-{name}", n, 3, {"kvxfer": tickets[name]}, seed=i + 1))
-    _run_both(p, d)
+    vh.run_both(p, d)
     for i, (name, n) in enumerate(sizes.items()):
         rid = f"d-{name}"
         r = d.outputs[rid]["kv_transfer_params"]["kvxfer"]
@@ -94,12 +79,12 @@ def test_hybrid_decode_prefix_hit_loads_the_rest_of_each_group(vh, engines):
     the first block it keeps (when the hit ends before it), and both holds are read once."""
     p, d = _pair(vh, engines)
     n = 120
-    t1 = _prefill(vh, p, "p-a", n, seed=5, claim={"request_id": "kvx-a"})["kvxfer"]
+    t1 = p.prefill("p-a", n, seed=5, claim={"request_id": "kvx-a"})["kvxfer"]
     d.add(vh.make_request("d-a", n, 2, {"kvxfer": t1}, seed=5))
-    _run_both(p, d)
-    t2 = _prefill(vh, p, "p-b", n, seed=5, claim={"request_id": "kvx-b"})["kvxfer"]
+    vh.run_both(p, d)
+    t2 = p.prefill("p-b", n, seed=5, claim={"request_id": "kvx-b"})["kvxfer"]
     d.add(vh.make_request("d-b", n, 2, {"kvxfer": t2}, seed=5))
-    _run_both(p, d)
+    vh.run_both(p, d)
     order = next(o for o in d.worker.fetch_orders if o.req_id == "d-b")
     skip = order.skip
     assert skip > 0, "the second decode request had no local prefix-cache hit"
@@ -117,7 +102,7 @@ def test_hybrid_fetch_from_a_dead_prefill_follows_the_load_failure_policy(vh, en
     """The prefill's worker is gone: the fetch fails and vLLM hears of it by request (block ids name no request
     across groups): it recomputes the whole prompt, or fails the request; both pools end full."""
     p, d = _pair(vh, engines, lease=5, policy=policy)
-    t = _prefill(vh, p, "p-x", 70, seed=3)["kvxfer"]
+    t = p.prefill("p-x", 70, seed=3)["kvxfer"]
     p.worker.kvxfer.shutdown()
     d.add(vh.make_request("d-x", 70, 2, {"kvxfer": t}, seed=3))
     d.run(timeout=30)
@@ -138,7 +123,7 @@ def test_a_ticket_of_a_one_group_prefill_is_refused_by_a_hybrid_decode(vh, engin
     the prompt itself, and the hold is still fetched by nobody (freed by its lease)."""
     p = engines(vh.kvxfer_ktc(role="kv_producer", listen=f"127.0.0.1:{vh.free_port()}", lease=3, transport="tcp"))
     d = engines(vh.kvxfer_ktc(role="kv_consumer", policy="recompute", transport="tcp"), window=WINDOW)
-    t = _prefill(vh, p, "p-1", 40, seed=2)["kvxfer"]
+    t = p.prefill("p-1", 40, seed=2)["kvxfer"]
     assert "groups" not in t
     d.add(vh.make_request("d-1", 40, 2, {"kvxfer": t}, seed=2))
     d.run(timeout=20)
@@ -156,9 +141,9 @@ def test_a_push_of_a_windowed_model_that_decodes_on_is_refused(vh, engines, cons
 
     c = consumers(spec=CacheSpec(num_blocks=64, layers=1))  # the groups alias: one tensor holds both layers
     p = engines(vh.kvxfer_ktc(role="kv_producer", transport="tcp"), window=WINDOW)
-    r = _prefill(vh, p, "p-long", 50, seed=4, claim={"consumer": c.address}, max_tokens=4)["kvxfer"]
+    r = p.prefill("p-long", 50, seed=4, claim={"consumer": c.address}, max_tokens=4)["kvxfer"]
     assert r["status"] == "not_sent" and "max_tokens=1" in r["error"], r
-    r = _prefill(vh, p, "p-one", 50, seed=4, claim={"consumer": c.address})["kvxfer"]
+    r = p.prefill("p-one", 50, seed=4, claim={"consumer": c.address})["kvxfer"]
     p.run(timeout=20)
     assert r["groups"] == [[0, 4], [1, 3]], r
     arrival = c.get(20)

@@ -22,22 +22,6 @@ def _pair(vh, engines, transport, *, lease=30, policy=None, prole="kv_producer",
     return p, d
 
 
-def _run_both(p, d, timeout=30.0) -> None:
-    t0 = time.monotonic()
-    while p.busy() or d.busy():
-        assert time.monotonic() - t0 < timeout, (p.kvxfer.pending(), d.kvxfer.pending(), d.worker.kvxfer.pending())
-        for e in (p, d):
-            if e.busy():
-                e.step()
-
-
-def _prefill(vh, p, rid, n, seed, claim=None) -> dict:
-    """Run a max_tokens=1 prefill with a hold claim to its finish; its response's kv_transfer_params."""
-    p.add(vh.make_request(rid, n, 1, {"kvxfer": claim if claim is not None else {}}, seed=seed))
-    p.run(until=lambda e: "kv_transfer_params" in e.outputs.get(rid, {}))
-    return p.outputs[rid]["kv_transfer_params"]
-
-
 def _loaded_ok(vh, d, rid, n, seed, block=BLOCK) -> int:
     """Every prompt slot the decode instance did not compute itself holds what the prefill's attention wrote."""
     toks = vh.prompt_tokens(n, seed)
@@ -66,7 +50,7 @@ def test_pd_round_trip_moves_real_bytes(vh, engines, transport):
     sizes = {"one": 1, "exact": 32, "plus1": 33, "chunked": 150}
     tickets = {}
     for i, (name, n) in enumerate(sizes.items()):
-        params = _prefill(vh, p, f"p-{name}", n, seed=i + 1, claim={"request_id": f"kvx-{name}"})
+        params = p.prefill(f"p-{name}", n, seed=i + 1, claim={"request_id": f"kvx-{name}"})
         assert list(params) == ["kvxfer"]
         t = tickets[name] = params["kvxfer"]
         assert t["status"] == "held" and t["request_id"] == f"kvx-{name}" and t["address"] == p.kvxfer.settings.listen
@@ -81,7 +65,7 @@ def test_pd_round_trip_moves_real_bytes(vh, engines, transport):
 
     for i, (name, n) in enumerate(sizes.items()):
         d.add(vh.make_request(f"d-{name}", n, 3, {"kvxfer": tickets[name]}, seed=i + 1))
-    _run_both(p, d)
+    vh.run_both(p, d)
 
     for i, (name, n) in enumerate(sizes.items()):
         rid = f"d-{name}"
@@ -139,12 +123,12 @@ def test_decode_side_prefix_hit_fetches_only_the_rest(vh, engines):
     """A decode instance that already has the first blocks of a prompt cached fetches held blocks [skip, n) into
     its table [skip, n) only."""
     p, d = _pair(vh, engines, "tcp")
-    t1 = _prefill(vh, p, "p-a", 40, seed=5)
+    t1 = p.prefill("p-a", 40, seed=5)
     d.add(vh.make_request("d-a", 40, 2, t1, seed=5))
-    _run_both(p, d)
-    t2 = _prefill(vh, p, "p-b", 70, seed=5)  # the same first 40 tokens (2 full blocks cached on the decode side)
+    vh.run_both(p, d)
+    t2 = p.prefill("p-b", 70, seed=5)  # the same first 40 tokens (2 full blocks cached on the decode side)
     d.add(vh.make_request("d-b", 70, 2, t2, seed=5))
-    _run_both(p, d)
+    vh.run_both(p, d)
     orders = {o.req_id: o for o in d.worker.fetch_orders}
     assert orders["d-a"].skip == 0 and len(orders["d-a"].block_ids) == 3
     assert orders["d-b"].skip == 2 and len(orders["d-b"].block_ids) == 3  # held blocks 2, 3, 4 of 5
@@ -163,7 +147,7 @@ def test_failed_fetch_follows_the_load_failure_policy(vh, engines, policy):
     through get_block_ids_with_load_errors in the same step as finished_recving; "recompute" computes the
     prompt locally, "fail" fails the request; no block leaks on either side."""
     p, d = _pair(vh, engines, "tcp", policy=policy)
-    t = _prefill(vh, p, "p-x", 50, seed=9)
+    t = p.prefill("p-x", 50, seed=9)
     p.worker.kvxfer.connector_worker.unregister_kv_caches()  # the prefill's holds end (cancelled), its listener closes
     p.run()  # the prefill frees the blocks once the hold ended
     p.assert_no_leaks()
@@ -188,7 +172,7 @@ def test_failed_fetch_follows_the_load_failure_policy(vh, engines, policy):
 
 def test_layout_mismatch_fails_fast_without_a_connection(vh, engines):
     p, d = _pair(vh, engines, "tcp", policy="recompute")
-    t = _prefill(vh, p, "p-m", 20, seed=3)
+    t = p.prefill("p-m", 20, seed=3)
     t["kvxfer"]["fingerprint"] = "0" * 32  # a prefill whose layout differs
     d.add(vh.make_request("d-m", 20, 1, t, seed=3))
     d.run()
@@ -206,7 +190,7 @@ def test_layout_mismatch_fails_fast_without_a_connection(vh, engines):
 def test_lease_expiry_frees_the_prefill_and_the_decode_recomputes(vh, engines, asked):
     """The configured lease, or a shorter one the router asked for in the claim."""
     p, d = _pair(vh, engines, "tcp", lease=30 if asked else 0.6, policy="recompute")
-    t = _prefill(vh, p, "p-l", 40, seed=4, claim={"lease": 0.6} if asked else None)
+    t = p.prefill("p-l", 40, seed=4, claim={"lease": 0.6} if asked else None)
     assert t["kvxfer"]["lease_expires"] <= time.time() + 0.6
     assert _held(p) == 3 and not p.finished_sending
     t0 = time.monotonic()
@@ -226,9 +210,9 @@ def test_lease_expiry_frees_the_prefill_and_the_decode_recomputes(vh, engines, a
 def test_kv_both_holds_and_fetches_and_never_reholds(vh, engines):
     """kv_both on both instances: a decode request carrying a ticket is fetched, not held again."""
     p, d = _pair(vh, engines, "tcp", prole="kv_both", drole="kv_both")
-    t = _prefill(vh, p, "p-k", 33, seed=6)
+    t = p.prefill("p-k", 33, seed=6)
     d.add(vh.make_request("d-k", 33, 2, t, seed=6))
-    _run_both(p, d)
+    vh.run_both(p, d)
     assert d.outputs["d-k"]["kv_transfer_params"]["kvxfer"]["status"] == "fetched"
     assert _loaded_ok(vh, d, "d-k", 33, 6) == 32
     assert not d.worker.orders and not d.finished_sending  # nothing held on the decode side
@@ -240,7 +224,7 @@ def test_roles_refuse_what_they_do_not_do(vh, engines):
     """A producer-only instance computes a ticket-carrying request itself and says so; a consumer-only instance
     holds nothing; a response that is not a held ticket is reported back, never acted upon."""
     p, d = _pair(vh, engines, "tcp")
-    t = _prefill(vh, p, "p-r", 20, seed=2)
+    t = p.prefill("p-r", 20, seed=2)
     p.add(vh.make_request("p-ticket", 20, 1, t, seed=2))  # a ticket sent to the prefill instance
     d.add(vh.make_request("d-hold", 20, 1, {"kvxfer": {}}, seed=2))  # a hold claim sent to the decode instance
     d.add(vh.make_request("d-notheld", 20, 1, {"kvxfer": {"status": "not_held", "error": "x"}}, seed=2))
@@ -256,7 +240,7 @@ def test_roles_refuse_what_they_do_not_do(vh, engines):
     d.assert_no_leaks()
     # the first hold is still there; a decode fetches it, then both pools are full
     d.add(vh.make_request("d-r", 20, 1, t, seed=2))
-    _run_both(p, d)
+    vh.run_both(p, d)
     p.assert_no_leaks()
     d.assert_no_leaks()
 
@@ -265,13 +249,13 @@ def test_abort_while_fetching_frees_the_blocks(vh, engines):
     """A decode request aborted in WAITING_FOR_REMOTE_KVS: vLLM keeps its blocks until finished_recving, which the
     worker reports once the (cancelled or finished) fetch ended; then both pools are full."""
     p, d = _pair(vh, engines, "tcp")
-    t = _prefill(vh, p, "p-ab", 64, seed=8)
+    t = p.prefill("p-ab", 64, seed=8)
     d.add(vh.make_request("d-ab", 64, 2, t, seed=8))
     d.step()  # allocates and orders the fetch; the worker starts it
     assert d.kvxfer.pending() == {"d-ab": "fetch:ordered"}
     d.abort("d-ab")
     r = d.outputs.get("d-ab", {})
-    _run_both(p, d)
+    vh.run_both(p, d)
     assert d.finished_recving == {"d-ab": 1}
     assert "d-ab" not in d.first_computed  # never decoded
     assert r == {} or r.get("tokens") == 0
@@ -285,7 +269,7 @@ def test_unmappable_allocation_still_reports_the_request(vh, engines):
     waiting for remote KV is still reported in finished_recving, with its blocks as load errors, never left
     waiting forever."""
     p, d = _pair(vh, engines, "tcp", policy="recompute")
-    t = _prefill(vh, p, "p-u", 40, seed=7)
+    t = p.prefill("p-u", 40, seed=7)
     conn = d.kvxfer
     orig = conn.update_state_after_alloc
 
@@ -341,13 +325,13 @@ def test_a_ticket_the_decode_cache_already_covers_is_declined_at_once(vh, engine
     """The decode instance's own prefix cache holds the whole held prompt: it fetches nothing and tells the
     prefill, which frees the held blocks now rather than at the end of the 30 s lease."""
     p, d = _pair(vh, engines, "tcp")
-    t1 = _prefill(vh, p, "p-a", 40, seed=6)
+    t1 = p.prefill("p-a", 40, seed=6)
     d.add(vh.make_request("d-a", 40, 2, t1, seed=6))
-    _run_both(p, d)  # the decode side now caches the first two blocks (32 tokens)
-    t2 = _prefill(vh, p, "p-c", 32, seed=6)  # a hold of exactly those 32 tokens
+    vh.run_both(p, d)  # the decode side now caches the first two blocks (32 tokens)
+    t2 = p.prefill("p-c", 32, seed=6)  # a hold of exactly those 32 tokens
     d.add(vh.make_request("d-c", 40, 2, t2, seed=6))
     t0 = time.monotonic()
-    _run_both(p, d)
+    vh.run_both(p, d)
     assert p.finished_sending.get("p-c") == 1 and time.monotonic() - t0 < 10
     assert d.outputs["d-c"]["kv_transfer_params"]["kvxfer"]["status"] == "not_fetched"
     assert "d-c" not in {o.req_id for o in d.worker.fetch_orders}
@@ -369,11 +353,11 @@ def test_decode_with_another_block_size_loads_token_for_token(vh, engines, trans
     computes digests (a setting): a fetcher paging differently goes without them."""
     p, d = _paged_pair(vh, engines, transport, bp, bd, digests=True)
     sizes = {"one": 1, "exact": 64, "plus1": 65, "chunked": 150}
-    tickets = {name: _prefill(vh, p, f"p-{name}", n, seed=i + 1) for i, (name, n) in enumerate(sizes.items())}
+    tickets = {name: p.prefill(f"p-{name}", n, seed=i + 1) for i, (name, n) in enumerate(sizes.items())}
     for i, (name, n) in enumerate(sizes.items()):
         assert tickets[name]["kvxfer"]["block_size"] == bp
         d.add(vh.make_request(f"d-{name}", n, 2, tickets[name], seed=i + 1))
-    _run_both(p, d)
+    vh.run_both(p, d)
     for i, (name, n) in enumerate(sizes.items()):
         rid = f"d-{name}"
         r = d.outputs[rid]["kv_transfer_params"]["kvxfer"]
@@ -391,10 +375,10 @@ def test_decode_prefix_hit_with_another_block_size(vh, engines):
     from the prefill's third block on. Decode blocks of 16 over prefill blocks of 32: a local hit ending inside
     a prefill block cannot be fetched around, so the rest is computed locally and the hold declined."""
     p, d = _paged_pair(vh, engines, "tcp", 16, 32)
-    d.add(vh.make_request("d-a", 40, 2, _prefill(vh, p, "p-a", 40, seed=5), seed=5))
-    _run_both(p, d)
-    d.add(vh.make_request("d-b", 70, 2, _prefill(vh, p, "p-b", 70, seed=5), seed=5))
-    _run_both(p, d)
+    d.add(vh.make_request("d-a", 40, 2, p.prefill("p-a", 40, seed=5), seed=5))
+    vh.run_both(p, d)
+    d.add(vh.make_request("d-b", 70, 2, p.prefill("p-b", 70, seed=5), seed=5))
+    vh.run_both(p, d)
     o = {o.req_id: o for o in d.worker.fetch_orders}["d-b"]
     assert o.skip == 1 and o.block_ids == d.worker.tables_seen["d-b"][1:3]
     assert d.first_computed["d-b"] == 69 and _loaded_ok(vh, d, "d-b", 70, 5, 32) == 69
@@ -402,10 +386,10 @@ def test_decode_prefix_hit_with_another_block_size(vh, engines):
     d.assert_no_leaks()
 
     p, d = _paged_pair(vh, engines, "tcp", 32, 16)
-    d.add(vh.make_request("d-a", 20, 2, _prefill(vh, p, "p-a", 20, seed=6), seed=6))
-    _run_both(p, d)
-    d.add(vh.make_request("d-b", 70, 2, _prefill(vh, p, "p-b", 70, seed=6), seed=6))
-    _run_both(p, d)
+    d.add(vh.make_request("d-a", 20, 2, p.prefill("p-a", 20, seed=6), seed=6))
+    vh.run_both(p, d)
+    d.add(vh.make_request("d-b", 70, 2, p.prefill("p-b", 70, seed=6), seed=6))
+    vh.run_both(p, d)
     r = d.outputs["d-b"]["kv_transfer_params"]["kvxfer"]
     assert r["status"] == "not_fetched" and "inside one of the prefill's blocks" in r["error"], r
     assert d.first_computed["d-b"] == 16 and d.outputs["d-b"]["tokens"] == 2

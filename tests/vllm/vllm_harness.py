@@ -394,6 +394,13 @@ class Engine:
             self.step()
         return time.monotonic() - t0
 
+    def prefill(self, rid: str, n: int, seed: int, claim: dict | None = None, max_tokens: int = 1) -> dict:
+        """Run a prefill of ``n`` tokens with a kvxfer claim (default: a hold) to its finish; its response's
+        kv_transfer_params."""
+        self.add(make_request(rid, n, max_tokens, {"kvxfer": claim if claim is not None else {}}, seed=seed))
+        self.run(until=lambda e: "kv_transfer_params" in e.outputs.get(rid, {}))
+        return self.outputs[rid]["kv_transfer_params"]
+
     def assert_no_leaks(self) -> None:
         s = self.sched
         bp = s.kv_cache_manager.block_pool
@@ -410,6 +417,16 @@ class Engine:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def run_both(p: Engine, d: Engine, timeout: float = 30.0) -> None:
+    """Step a prefill and a decode engine in turn until both are idle."""
+    t0 = time.monotonic()
+    while p.busy() or d.busy():
+        assert time.monotonic() - t0 < timeout, (p.kvxfer.pending(), d.kvxfer.pending(), d.worker.kvxfer.pending())
+        for e in (p, d):
+            if e.busy():
+                e.step()
 
 
 def expected_tokens_ok(arrival: dict, prompt: list[int], block: int) -> int:
