@@ -42,7 +42,7 @@ ONE = (Group(0),)  # a model with one full-attention group: every prompt block s
 
 def of_config(kv_cache_config: Any) -> tuple[Group, ...]:
     """The groups that ship, from vLLM's ``KVCacheConfig``; ``ValueError`` for attention kinds whose state is not
-    every prompt block or a window's tail of them (Mamba, chunked local, R-SWA, cross attention)."""
+    every prompt block or a window's tail of them (Mamba, chunked local, cross attention)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not groups:
         return ONE
@@ -55,21 +55,14 @@ def of_config(kv_cache_config: Any) -> tuple[Group, ...]:
 
 
 def _group(index: int, spec: Any) -> Group:
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowMLASpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
+    from vllm.v1 import kv_cache_interface as kv
 
-    kinds = [type(s) for s in spec.kv_cache_specs.values()] if isinstance(spec, UniformTypeKVCacheSpecs) else []
-    if type(spec) in (FullAttentionSpec, MLAAttentionSpec) or (
-        kinds and all(k in (FullAttentionSpec, MLAAttentionSpec) for k in kinds)
-    ):
+    specs = list(spec.kv_cache_specs.values()) if isinstance(spec, kv.UniformTypeKVCacheSpecs) else [spec]
+    if all(isinstance(s, kv.FullAttentionSpec) for s in specs):
+        # every prompt block stays while the request runs (MLA, attention sinks; R-SWA evicts only generated ones)
         return Group(index)
-    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
-        return Group(index, int(spec.num_retained_tokens))
+    if isinstance(spec, kv.SlidingWindowSpec):  # vLLM's get_num_skipped_tokens keeps this many tokens back
+        return Group(index, int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0) or 0))
     raise ValueError(
         f"KVXferConnector ships full-attention and sliding-window KV-cache groups; group {index} is "
         f"{type(spec).__name__}: not supported"
