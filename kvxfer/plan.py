@@ -9,7 +9,10 @@ loop: a million blocks plan in a few milliseconds.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,6 +24,43 @@ from .wire import Fingerprint
 
 def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
     """``ids`` as an int64 vector, each in ``[0, num_blocks)`` and none repeated, else ``BlockError``."""
+    a = _int_ids(ids, num_blocks, what)
+    _verdict(_kvx.check_ids(a, max(int(num_blocks), 0)), a, num_blocks, what)  # one pass over a bitmap, native
+    return a
+
+
+PARALLEL_MIN = 65536  # ids per side from which a plan's two sides are worked on at once
+T = TypeVar("T")
+
+
+def _both(n: int, fn: Callable[..., T], a: tuple, b: tuple) -> tuple[T, T]:
+    """``fn(*a), fn(*b)``; with ``n`` ids or more per side, the second on a thread of its own (started per call,
+    so a forked child plans as well as its parent). Every ``fn`` given is a native pass that releases the GIL and
+    is latency-bound (a bitmap, fresh pages), so two cores do the two sides of a big plan in the time of one."""
+    if n < PARALLEL_MIN:
+        return fn(*a), fn(*b)
+    box: list[tuple[bool, Any]] = []
+
+    def second() -> None:
+        try:
+            box.append((True, fn(*b)))
+        except BaseException as e:  # handed to the caller below
+            box.append((False, e))
+
+    t = threading.Thread(target=second, name="kvxfer-plan", daemon=True)
+    t.start()
+    try:
+        first = fn(*a)
+    finally:
+        t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return first, value
+
+
+def _int_ids(ids, num_blocks: int, what: str) -> np.ndarray:
+    """``ids`` as an int64 vector (not yet range- or duplicate-checked)."""
     a = np.asarray(ids)
     if a.ndim != 1:
         raise BlockError(f"{what} must be a 1-D sequence")
@@ -30,13 +70,14 @@ def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
         raise BlockError(f"{what} must be integers, got {a.dtype}")
     if a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
         raise BlockError(f"{what} out of range: {int(a.max())} not within [0, {num_blocks})")
-    a = a.astype(np.int64, copy=False)
-    status = _kvx.check_ids(a, max(int(num_blocks), 0))  # one pass over a bitmap, in native code
+    return a.astype(np.int64, copy=False)
+
+
+def _verdict(status: int, a: np.ndarray, num_blocks: int, what: str) -> None:
     if status == 1:
         raise BlockError(f"{what} out of range: [{int(a.min())}, {int(a.max())}] not within [0, {num_blocks})")
     if status == 2:
         raise BlockError(f"{what} contain duplicates")
-    return a
 
 
 @dataclass(frozen=True)
@@ -232,6 +273,13 @@ def _offsets(side: Side, ids: np.ndarray) -> np.ndarray:
     return out
 
 
+def _all_offsets(sides: list[tuple[Side, np.ndarray]]) -> list[np.ndarray]:
+    """``_offsets`` of each (side, ids): two sides at once when large (``_both``)."""
+    if len(sides) == 2:
+        return list(_both(len(sides[0][1]), _offsets, sides[0], sides[1]))
+    return [_offsets(s, ids) for s, ids in sides]
+
+
 RARE_MERGES = 0.01  # below this share of merges, extents stay unmerged: merging is optional, gathers are not free
 
 
@@ -264,7 +312,7 @@ def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     only where runs start. Page faults of fresh 8-byte arrays dominate at a million blocks."""
     size = int(nbytes[0])
     if n == 1 or any(int(s.stride[0]) != size for s, _ in sides) or not _merges_likely(sides):
-        return _unmerged(sides, [_offsets(s, ids) for s, ids in sides], nbytes, n)
+        return _unmerged(sides, _all_offsets(sides), nbytes, n)
     brk = np.empty(n, dtype=bool)
     brk[0] = True
     scratch = np.empty(n - 1, dtype=np.int64)
@@ -276,7 +324,7 @@ def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
             brk[1:] |= hits
     runs = int(np.count_nonzero(brk))
     if runs > n * (1 - RARE_MERGES):
-        return _unmerged(sides, [_offsets(s, ids) for s, ids in sides], nbytes, n)
+        return _unmerged(sides, _all_offsets(sides), nbytes, n)
     starts = np.flatnonzero(brk)
     out = []
     for s, ids in sides:
@@ -291,7 +339,7 @@ def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) 
     if p == 1:
         return _single_piece(sides, nbytes, n)
     total = p * n
-    offs = [_offsets(s, ids) for s, ids in sides]
+    offs = _all_offsets(sides)
     lens = np.repeat(nbytes, n)
     brk = np.zeros(total, dtype=bool)
     brk[0] = True
@@ -319,15 +367,19 @@ def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) 
 def make_plan(pairing: Pairing, src_ids, dst_ids, src_blocks: int, dst_blocks: int, *, coalesce: bool = True) -> Plan:
     """Two-sided plan from side ``a`` (source) blocks ``src_ids`` to side ``b`` (destination) ``dst_ids``.
     ``coalesce=False`` keeps one descriptor per piece and block (a baseline for what coalescing saves)."""
-    s = check_ids(src_ids, src_blocks, "source block ids")
-    d = check_ids(dst_ids, dst_blocks, "destination block ids")
+    s = _int_ids(src_ids, src_blocks, "source block ids")
+    d = _int_ids(dst_ids, dst_blocks, "destination block ids")
+    n = min(len(s), len(d))
+    vs, vd = _both(n, _kvx.check_ids, (s, max(int(src_blocks), 0)), (d, max(int(dst_blocks), 0)))
+    _verdict(vs, s, src_blocks, "source block ids")
+    _verdict(vd, d, dst_blocks, "destination block ids")
     if len(s) != len(d):
         raise BlockError(f"{len(s)} source blocks but {len(d)} destination blocks")
     sides = [(pairing.a, s), (pairing.b, d)]
     if coalesce:
         sr, so, dr, do, nb = _coalesce(sides, pairing.nbytes, len(s))
     else:
-        sr, so, dr, do, nb = _unmerged(sides, [_offsets(x, ids) for x, ids in sides], pairing.nbytes, len(s))
+        sr, so, dr, do, nb = _unmerged(sides, _all_offsets(sides), pairing.nbytes, len(s))
     return Plan(Extents(sr, so, nb), Extents(dr, do, nb))
 
 

@@ -118,3 +118,53 @@ def test_plan_without_coalescing_has_one_descriptor_per_piece_and_block():
     a = _layout("per")
     plan = make_plan(pair(a, a), np.arange(32), np.arange(32), 32, 32, coalesce=False)
     assert len(plan) == 3 * 32 and plan.total == 32 * a.block_bytes
+
+
+@pytest.mark.parametrize("kind", ["cross", "per-layer"])
+@pytest.mark.parametrize("pattern", ["permuted", "sequential"])
+def test_a_big_plan_worked_on_both_sides_at_once_equals_one_worked_in_turn(monkeypatch, kind, pattern):
+    """From ``PARALLEL_MIN`` ids a side, the destination side is checked and placed on a helper thread: the plan
+    is the same, array for array, as one planned side after side."""
+    from kvxfer import plan
+
+    nb = 3 * plan.PARALLEL_MIN
+    a, b = _layout(kind, nb=nb), _layout(kind, nb=nb)
+    rng = np.random.default_rng(5)
+    n = plan.PARALLEL_MIN + 17
+    src = rng.permutation(nb)[:n] if pattern == "permuted" else np.arange(5, 5 + n)
+    dst = rng.permutation(nb)[:n] if pattern == "permuted" else np.arange(9, 9 + n)
+    at_once = make_plan(pair(a, b), src, dst, nb, nb)
+    monkeypatch.setattr(plan, "PARALLEL_MIN", 10**9)
+    in_turn = make_plan(pair(a, b), src, dst, nb, nb)
+    for x, y in ((at_once.src, in_turn.src), (at_once.dst, in_turn.dst)):
+        for f in ("region", "offset", "nbytes"):
+            assert np.array_equal(getattr(x, f), getattr(y, f)), f
+
+
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ("src_range", "source block ids out of range"),
+        ("dst_range", "destination block ids out of range"),
+        ("dst_dup", "destination block ids contain duplicates"),
+        ("both", "source block ids contain duplicates"),
+    ],
+)
+def test_a_big_plan_checked_on_both_sides_at_once_names_the_bad_side(bad, msg):
+    """The helper thread's verdict is not lost: a bad destination id fails the plan, and a bad source is reported
+    first when both are bad."""
+    from kvxfer import plan
+
+    nb = 2 * plan.PARALLEL_MIN
+    layout = _layout("cross", nb=nb, L=1)
+    src, dst = np.arange(plan.PARALLEL_MIN), np.arange(1, plan.PARALLEL_MIN + 1)
+    if bad == "src_range":
+        src[-1] = nb
+    if bad in ("dst_dup", "both"):
+        dst[-1] = dst[0]
+    if bad == "both":
+        src[7] = src[3]
+    if bad == "dst_range":
+        dst[100] = nb + 4
+    with pytest.raises(BlockError, match=msg):
+        make_plan(pair(layout, layout), src, dst, nb, nb)
