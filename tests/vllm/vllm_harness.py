@@ -304,8 +304,11 @@ class Engine:
         layout: str = "LBHNC",
         setup: Callable[[VllmConfig], None] | None = None,
         window: int = 0,
+        max_model_len: int = 1024,
     ):
-        self.vc = make_vllm_config(ktc, max_batched=max_batched, block=block, layout=layout)
+        self.vc = make_vllm_config(
+            ktc, max_batched=max_batched, block=block, layout=layout, max_model_len=max_model_len
+        )
         self.kvc = make_kv_cache_config(self.vc, num_blocks, window)
         if setup is not None:
             setup(self.vc)
