@@ -396,3 +396,39 @@ def test_decode_prefix_hit_with_another_block_size(vh, engines):
     assert "p-b" in p.finished_sending  # declined: freed now, not at the end of the lease
     p.assert_no_leaks()
     d.assert_no_leaks()
+
+
+def test_an_engine_waiting_only_for_its_fetches_steps_at_a_pace(vh, engines, monkeypatch):
+    """vLLM steps an engine whose only request waits for its KV flat out, with nothing to compute (and a TP
+    engine's workers with it), starving the processes that move the bytes on a small machine: such a step waits
+    ``IDLE_PACE``. The step that orders the fetch does not wait."""
+    import socket
+    from types import SimpleNamespace
+
+    from kvxfer.integrations.vllm import scheduler
+
+    silent = socket.socket()  # a "prefill" that accepts and never speaks: the fetch stays in flight
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    naps: list[float] = []
+    clock = SimpleNamespace(sleep=naps.append, time=time.time, monotonic=time.monotonic)
+    monkeypatch.setattr(scheduler, "time", clock)  # the scheduler's own clock only
+    d = engines(vh.kvxfer_ktc(role="kv_consumer", transport="tcp", deadline=1))
+    ticket = {
+        "status": "held",
+        "address": f"127.0.0.1:{silent.getsockname()[1]}",
+        "request_id": "r",
+        "num_tokens": 40,
+        "num_blocks": 3,
+        "block_size": BLOCK,
+        "lease_expires": time.time() + 30,
+    }
+    try:
+        d.add(vh.make_request("d-w", 40, 2, {"kvxfer": ticket}, seed=1))
+        d.step()  # allocates and orders the fetch
+        assert d.kvxfer.pending() == {"d-w": "fetch:ordered"} and naps == []
+        d.step()
+        d.step()
+        assert naps == [scheduler.IDLE_PACE, scheduler.IDLE_PACE]
+    finally:
+        silent.close()

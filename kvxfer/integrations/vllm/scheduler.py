@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-IDLE_PACE = 0.005  # seconds an engine stepping only for this connector's holds waits per step
+IDLE_PACE = 0.005  # seconds an engine stepping only for this connector's holds or fetches waits per step
 
 
 @dataclass
@@ -228,10 +228,12 @@ class KVXferScheduler:
                     self._decline_next.append((*hold_of(t.address, claim.transfer_id, t.ranks, g, group), why))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
-        if not scheduler_output.total_num_scheduled_tokens and self._awaiting and not self._fetches:
-            # The engine steps only so that held prompts get reported (has_pending_push_work): a step with nothing
-            # to compute or order is a poll. Pace it, or an idle prefill spins its engine core for a whole lease,
-            # starving the decode instances that would fetch (two servers on few cores).
+        ordering = any(f.to_order for f in self._fetches.values())
+        if not scheduler_output.total_num_scheduled_tokens and (self._awaiting or self._fetches) and not ordering:
+            # The engine steps only so that held prompts get reported (has_pending_push_work), or because its only
+            # requests wait for their KV: a step with nothing to compute or order is a poll. Pace it, or an idle
+            # prefill spins its engine core (and a decode its workers too) for as long as the transfers take,
+            # starving the very processes that move the bytes (two servers on few cores).
             time.sleep(IDLE_PACE)
         meta = KVXferConnectorMetadata(cancel=self._cancel_next, delayed_free=self._delayed, decline=self._decline_next)
         self._cancel_next, self._delayed, self._decline_next = {}, set(), []
