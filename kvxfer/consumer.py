@@ -63,6 +63,8 @@ class _ConsumerSession:
         self.peer = peer
         self.transport = transport  # the one both sides agreed on in the handshake
         self.link = transport.connect(peer)
+        self.covered = coverage(peer.layout, transport.layout)  # the bytes of our blocks a whole push fills
+        self.covered.setflags(write=False)  # shared by every admission of the session
         self.alive = True
         self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
         self.data_nonces: set[bytes] = set()  # each data connection proves the session key once
@@ -528,7 +530,7 @@ class Consumer(HandleBase):
     def _part(self, s: _ConsumerSession, msg: wire.Admit) -> tuple[Selection | None, np.ndarray]:
         """What an admission carries of every block (its layers or heads) and the bytes of our blocks it fills."""
         if msg.layers is None and msg.heads is None:
-            return None, coverage(s.peer.layout, self.layout)
+            return None, s.covered
         part = Selection(
             layers=None if msg.layers is None else tuple(sorted(int(x) for x in msg.layers)),
             heads=None if msg.heads is None else (int(msg.heads[0]), int(msg.heads[1])),
@@ -640,12 +642,12 @@ class Consumer(HandleBase):
                     dict(msg.meta),
                     msg.digests,
                     one_sided=s.transport.one_sided,
-                    ranges=coverage(s.peer.layout, self.layout),
+                    ranges=s.covered,
                     chunks=chunks,
                     per_block=per_block,
                 )
             else:
-                covered = coverage(s.peer.layout, self.layout)
+                covered = s.covered
                 if n != len(fetch.ids):
                     raise BlockError(
                         f"request {msg.req!r}: the {len(src)} blocks offered fill {n} of ours, {len(fetch.ids)} fetched"

@@ -31,7 +31,6 @@ from .errors import (
 )
 from .lifecycle import deadline_in, gate
 from .plan import check_ids
-from .shard import coverage
 from .transfer import Status, Transfer
 
 if TYPE_CHECKING:
@@ -183,7 +182,7 @@ class Fetches:
                 f.session = s
                 s.fetches[f.req] = f
             layout = self.c.layout
-            covered = coverage(s.peer.layout, layout)
+            covered = s.covered
             if not f.partial and int((covered[:, 1] - covered[:, 0]).sum()) != layout.block_bytes:
                 raise IncompatibleError(
                     f"producer {f.address} holds only some of the heads or layers of our blocks: fetch each of "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar
 
 import numpy as np
@@ -97,7 +98,7 @@ class Pairing:
     b: Side
     nbytes: np.ndarray
 
-    @property
+    @cached_property  # every small request asks
     def block_bytes(self) -> int:
         return int(self.nbytes.sum())
 
@@ -109,13 +110,23 @@ def _side(layout: KVLayout, bounds: np.ndarray) -> Side:
     return Side(layout.seg_region[seg], layout.seg_offset[seg] + within, layout.seg_stride[seg])
 
 
+FEW_RANGES = 64
+
+
 def byte_ranges(ranges, block_bytes: int) -> np.ndarray:
     """``ranges`` as an Nx2 int64 array of ``[start, end)`` bytes of a block (``None``: the whole block), else
     ``BlockError`` unless they are sorted, disjoint, non-empty and within ``block_bytes``."""
     if ranges is None:
         return np.array([[0, block_bytes]], dtype=np.int64)
     r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-    if not len(r) or (r[:, 0] >= r[:, 1]).any() or r.min() < 0 or r.max() > block_bytes or (r[1:, 0] < r[:-1, 1]).any():
+    if len(r) <= FEW_RANGES:  # every admission checks its ranges: a few numbers compare faster as Python ints
+        f = r.ravel().tolist()  # start, end, start, end, ...: ends after starts, starts at or after the last end
+        ok = bool(f) and f[0] >= 0 and f[-1] <= block_bytes
+        ok = ok and all(a < b for a, b in zip(f[0::2], f[1::2], strict=True))
+        ok = ok and all(a <= b for a, b in zip(f[1:-1:2], f[2::2], strict=True))
+    else:
+        ok = not ((r[:, 0] >= r[:, 1]).any() or r.min() < 0 or r.max() > block_bytes or (r[1:, 0] < r[:-1, 1]).any())
+    if not ok:
         raise BlockError(f"byte ranges {r.tolist()} are not sorted, disjoint and within a block")
     return r
 
@@ -283,16 +294,22 @@ def _all_offsets(sides: list[tuple[Side, np.ndarray]]) -> list[np.ndarray]:
 RARE_MERGES = 0.01  # below this share of merges, extents stay unmerged: merging is optional, gathers are not free
 
 
+BROADCAST_MIN = 4096  # extents from which a constant column is a zero-copy broadcast (below, a copy costs less)
+
+
+def _column(values: np.ndarray, n: int) -> np.ndarray:
+    """Each piece's ``values`` repeated for ``n`` blocks: a small request's latency feels every numpy call."""
+    if len(values) * n >= BROADCAST_MIN and bool((values == values[0]).all()):
+        return np.broadcast_to(values[0], len(values) * n)
+    return np.repeat(values, n)
+
+
 def _unmerged(sides, offs, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
-    """Every piece x block as its own extent; constant columns as zero-copy broadcasts."""
-    total = len(nbytes) * n
+    """Every piece x block as its own extent."""
     out = []
     for (s, _), off in zip(sides, offs, strict=True):
-        same = bool((s.region == s.region[0]).all())
-        out += [np.broadcast_to(s.region[0], total) if same else np.repeat(s.region, n), off]
-    one_len = bool((nbytes == nbytes[0]).all())
-    run = np.broadcast_to(nbytes[0], total) if one_len else np.repeat(nbytes, n)
-    return (*out, run)
+        out += [_column(s.region, n), off]
+    return (*out, _column(nbytes, n))
 
 
 SAMPLE = 4096  # ids whose neighbours are looked at before a million are

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer import BlockError, KVLayout
-from kvxfer.plan import check_ids, extents, make_plan, pair
+from kvxfer.plan import FEW_RANGES, byte_ranges, check_ids, extents, make_plan, pair
 
 
 def _layout(kind, nb=32, L=3):
@@ -168,3 +168,32 @@ def test_a_big_plan_checked_on_both_sides_at_once_names_the_bad_side(bad, msg):
         dst[100] = nb + 4
     with pytest.raises(BlockError, match=msg):
         make_plan(pair(layout, layout), src, dst, nb, nb)
+
+
+BAD_RANGES = {
+    "empty range": [[8, 8]],
+    "reversed": [[16, 8]],
+    "negative": [[-1, 8]],
+    "past the block": [[0, 4097]],
+    "overlapping": [[0, 16], [8, 32]],
+    "unsorted": [[64, 128], [0, 32]],
+    "none at all": [],
+}
+
+
+@pytest.mark.parametrize("count", [1, FEW_RANGES + 7], ids=["few", "many"])
+@pytest.mark.parametrize("bad", BAD_RANGES)
+def test_byte_ranges_refuse_what_is_not_sorted_disjoint_and_within_a_block(bad, count):
+    """Few ranges are checked as Python ints, many with numpy: the same ranges get the same verdict either way."""
+    good = [[4096 + 16 * i, 4096 + 16 * i + 8] for i in range(count - 1)]  # after the bad ones, in a bigger block
+    ranges = BAD_RANGES[bad] + good
+    limit = 4096 if count == 1 else 4096 + 16 * count
+    if bad == "past the block":
+        ranges = [*good, [limit - 4, limit + 1]]
+    if bad == "none at all":
+        ranges = []
+    with pytest.raises(BlockError, match="not sorted, disjoint and within a block"):
+        byte_ranges(ranges, limit)
+    if bad != "none at all":
+        fixed = [[0, 8], *good]
+        assert byte_ranges(fixed, limit).tolist() == fixed
