@@ -118,6 +118,24 @@ def test_hybrid_fetch_from_a_dead_prefill_follows_the_load_failure_policy(vh, en
     d.assert_no_leaks()
 
 
+def test_a_ticket_whose_groups_cannot_be_mapped_frees_every_hold_at_once(vh, engines):
+    """A ticket naming two groups but a window span the decode cannot map: the fetch fails before a connection,
+    and the decode declines the hold of every group, so the prefill frees them now, not at its lease's end."""
+    p, d = _pair(vh, engines, lease=120, policy="recompute")
+    t = p.prefill("p-m", 70, seed=6)["kvxfer"]
+    first, count = t["groups"][1]
+    t["groups"][1] = [first + 1, count - 1]  # the window's first kept block is no longer held
+    d.add(vh.make_request("d-m", 70, 2, {"kvxfer": t}, seed=6))
+    d.run(timeout=20)
+    r = d.outputs["d-m"]["kv_transfer_params"]["kvxfer"]
+    assert r["status"] == "failed" and "group 1: the prefill holds" in r["error"], r
+    assert d.worker.fetch_orders[0].groups == 2 and not d.worker.fetch_orders[0].spans
+    took = p.run(timeout=15)  # two declines, not a 120 s lease
+    assert took < 15 and d.outputs["d-m"]["tokens"] == 2
+    p.assert_no_leaks()
+    d.assert_no_leaks()
+
+
 def test_a_ticket_of_a_one_group_prefill_is_refused_by_a_hybrid_decode(vh, engines):
     """A prefill of another model (one KV-cache group) into a hybrid decode: no connection, the decode computes
     the prompt itself, and the hold is still fetched by nobody (freed by its lease)."""

@@ -49,7 +49,13 @@ class FetchOrder:
     # each KV-cache group's (first block of its hold to read, number of blocks), their blocks one after another in
     # ``block_ids``; empty: one group, read from ``skip``
     spans: list[tuple[int, int]] = field(default_factory=list)
+    # the ticket's KV-cache groups, a hold each (declines name every one, even when ``spans`` could not be mapped);
+    # 0: one per span
+    groups: int = 0
     error: str = ""  # the scheduler could not map the blocks: fail at once (the request still waits for a report)
+
+    def __post_init__(self) -> None:
+        self.groups = self.groups or len(self.spans) or 1
 
 
 @dataclass

@@ -11,7 +11,7 @@ cache is whole on every rank: decode rank ``c`` reads it from prefill rank ``c %
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ...channel import parse_address
@@ -52,6 +52,14 @@ def hold_of(address: str, request_id: str, ranks: tuple[int, int], rank: int, gr
     holds KV-cache group ``group`` of ``request_id`` under."""
     n = ranks[0] * ranks[1]
     return (address if n == 1 else rank_address(address, rank)), hold_id(request_id, rank, n, group)
+
+
+def holds_of(
+    address: str, request_id: str, ranks: tuple[int, int], which: Iterable[int], groups: int
+) -> list[tuple[str, str]]:
+    """``hold_of`` for each prefill rank in ``which`` and each of ``groups`` KV-cache groups: every hold a decline
+    names (a decode that fetches none of them tells each rank of each group)."""
+    return [hold_of(address, request_id, ranks, g, group) for g in which for group in range(groups)]
 
 
 def _reads(

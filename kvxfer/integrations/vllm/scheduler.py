@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .groups import NULL_BLOCK, ONE, Group, spans, tables, windowed
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
-from .ranks import hold_of
+from .ranks import holds_of
 from .settings import FETCH, HOLD, NONE, PARAMS_KEY, PUSH, Claim, Settings, log, parse_claim
 
 if TYPE_CHECKING:
@@ -223,9 +223,9 @@ class KVXferScheduler:
         the end of the lease."""
         t = claim.ticket
         if t is not None and t.address:
-            for g in range(t.ranks[0] * t.ranks[1]):  # every prefill rank holds a share, one hold per group
-                for group in range(len(t.groups) or 1):
-                    self._decline_next.append((*hold_of(t.address, claim.transfer_id, t.ranks, g, group), why))
+            every = range(t.ranks[0] * t.ranks[1])  # every prefill rank holds a share, one hold per group
+            holds = holds_of(t.address, claim.transfer_id, t.ranks, every, len(t.groups) or 1)
+            self._decline_next += [(address, hold, why) for address, hold in holds]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVXferConnectorMetadata:
         ordering = any(f.to_order for f in self._fetches.values())
@@ -288,6 +288,7 @@ class KVXferScheduler:
             deadline=f.claim.deadline,
             ranks=t.ranks,
             spans=f.spans,
+            groups=len(t.groups) or 1,
             error=f.error,
         )
 

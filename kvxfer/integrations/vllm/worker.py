@@ -30,7 +30,7 @@ from ...producer import Producer
 from ...shard import heads_of, sources, stripe
 from ...transfer import Transfer
 from .metadata import FetchOrder, KVXferConnectorMetadata, KVXferWorkerMetadata, ShipOrder
-from .ranks import Source, Stages, hold_id, hold_of, plan
+from .ranks import Source, Stages, hold_id, hold_of, holds_of, plan
 from .settings import Settings, log
 from .stats import KVXferStats
 
@@ -67,6 +67,12 @@ def _unpushed(o: ShipOrder) -> DeadlineError:
     if o.lease_expires:
         return LeaseExpiredError("the lease ended before the hold started")
     return DeadlineError(f"deadline of {o.deadline:g}s passed before the push started")
+
+
+def _first_error(ts: list[Transfer]) -> BaseException | None:
+    """What several transfers of one request ended with: the first real failure, not the cancels it caused."""
+    errors = [t.error for t in ts if t.error is not None]
+    return next((e for e in errors if not isinstance(e, CancelledError)), errors[0] if errors else None)
 
 
 def _moving(t: Transfer) -> float:
@@ -344,17 +350,14 @@ class KVXferWorker:
     def _start_fetch(self, fe: _Fetching) -> None:
         o = fe.order
         if fe.cancel_reason is not None:
-            if self.rank == 0:  # one decode rank tells every prefill rank, of every group
-                for g in range(o.ranks[0] * o.ranks[1]):
-                    for group in range(len(o.spans) or 1):
-                        self._decline(*hold_of(o.address, o.transfer_id, o.ranks, g, group), fe.cancel_reason)
-            return
+            return self._decline_all(o, fe.cancel_reason)
         fe.started = True
         try:
             consumer, layout = self.consumer, self.layout
             if consumer is None or layout is None:
                 raise ClosedError("no KV cache registered (sleeping or shut down)")
-            if o.error:
+            if o.error:  # no rank reads a byte of it: the prefill frees the holds now
+                self._decline_all(o, f"the decode could not load it: {o.error}")
                 raise KVXferError(o.error)
             # refusals that need no round trip: the hold cannot fit our blocks, or is gone already
             paged = o.block_size != self.block_size  # blocks map through token positions (the handshake checks)
@@ -391,11 +394,9 @@ class KVXferWorker:
                     )
                     fe.transfers.append(t)
                     t.add_done_callback(fe._one_ended)
-            if self.rank == 0:
-                for g in unread:  # replicas no decode rank reads: their prefill ranks free them now
-                    for group in range(len(reads)):
-                        address, hold = hold_of(o.address, o.transfer_id, o.ranks, g, group)
-                        self._decline(address, hold, "a replica another prefill rank ships")
+            if self.rank == 0:  # replicas no decode rank reads: their prefill ranks free them now
+                for address, hold in holds_of(o.address, o.transfer_id, o.ranks, unread, o.groups):
+                    self._decline(address, hold, "a replica another prefill rank ships")
         except KVXferError as e:
             fe.error = e
         except Exception as e:  # whatever happens, the request must be reported
@@ -428,6 +429,13 @@ class KVXferWorker:
             raise IncompatibleError("parallel prefill or decode ranks, but no pipeline stage layers known")
         return plan(o.ranks, (tp, pp), mine, self.kv_heads, self.replicated, self.stages)
 
+    def _decline_all(self, o: FetchOrder, why: str) -> None:
+        """Tell every prefill rank to free its holds of every group of ``o`` (one decode rank tells them)."""
+        if self.rank == 0:
+            every = range(o.ranks[0] * o.ranks[1])
+            for address, hold in holds_of(o.address, o.transfer_id, o.ranks, every, o.groups):
+                self._decline(address, hold, why)
+
     def _decline(self, address: str, hold: str, why: str) -> None:
         consumer = self.consumer
         if consumer is not None:
@@ -444,8 +452,7 @@ class KVXferWorker:
     def _fetch_ended(self, rid: str, fe: _Fetching) -> None:
         """Account one ended fetch (under ``_lock``): its outcome for the scheduler, its blocks if it failed."""
         o, ts = fe.order, fe.transfers
-        first = next((t.error for t in ts if t.error is not None and not isinstance(t.error, CancelledError)), None)
-        error = fe.error or first or next((t.error for t in ts if t.error is not None), None)
+        error = fe.error or _first_error(ts)
         seconds = time.monotonic() - fe.t0
         if error is None:
             nbytes = sum(int(t.nbytes) for t in ts)
@@ -650,8 +657,7 @@ class KVXferWorker:
                 other.cancel(f"another KV-cache group's transfer failed: {t.error}")
         if not all(x.done() for x in ts):
             return
-        first = next((x.error for x in ts if x.error is not None and not isinstance(x.error, CancelledError)), None)
-        error = first or next((x.error for x in ts if x.error is not None), None)
+        error = _first_error(ts)
         if error is None:
             self._end(sh, "done", None)
         else:
