@@ -27,8 +27,9 @@ class Channel:
         self._send_lock = threading.Lock()
         self.closed = False
 
-    def send(self, msg) -> None:
-        data = wire.encode(msg)
+    def send(self, *msgs) -> None:
+        """Send ``msgs`` in one write (one system call, one wake-up of the peer)."""
+        data = b"".join(wire.encode(m) for m in msgs)
         with self._send_lock:
             try:
                 self.sock.sendall(data)

@@ -71,9 +71,9 @@ class _ConsumerSession:
         self.fetches: dict[str, Fetch] = {}  # a session this consumer opened to fetch: its fetches, by request
         self.fetch_address = ""  # that session's producer address
 
-    def send(self, msg) -> bool:
+    def send(self, *msgs) -> bool:
         try:
-            self.ch.send(msg)
+            self.ch.send(*msgs)
             return True
         except KVXferError:
             return False
@@ -238,14 +238,14 @@ class Consumer(HandleBase):
         with self._lock:
             self.counters[key] += n
 
-    def _tell_members(self, slot: Slot, make, skip: int | None = None) -> None:
+    def _tell_members(self, slot: Slot, make, skip: int | None = None, first=None) -> None:
         """Send ``make(gen)`` to every producer session writing ``slot`` (all parts), by the generation each
-        of them knows."""
+        of them knows; ``first`` (a single sender's Grant) goes ahead of it in the same write."""
         for sid, gen in slot.members():
             with self._lock:
                 s = self._sessions.get(sid)
             if s is not None and sid != skip:
-                s.send(make(gen))
+                s.send(*(() if first is None else (first,)), make(gen))
 
     # ---- connections ------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -501,13 +501,16 @@ class Consumer(HandleBase):
         if error is not None:
             self._fail_slot(slot, error)
             return self._refuse(s, msg.req, slot.gen, error, msg.attempt)
-        s.send(wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+        grant = wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt)
         try:
             ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, msg.meta, b"")
         except KVXferError as e:
+            s.send(grant)
             return self._refuse(s, msg.req, slot.gen, e)
-        if ready is not None:
-            self._deliver(ready, "push")
+        if ready is None:
+            s.send(grant)
+        else:  # the Grant goes with the Ack, in one write
+            self._deliver(ready, "push", grant)
 
     @staticmethod
     def _paged(
@@ -555,7 +558,7 @@ class Consumer(HandleBase):
         if pull is not None:
             pull[1].set()
 
-    def _deliver(self, slot: Slot, kind: str) -> None:
+    def _deliver(self, slot: Slot, kind: str, grant: wire.Grant | None = None) -> None:
         with self._lock:
             s = self._sessions.get(slot.peer)
         err = self._integrity(slot) if kind == "push" else None  # a pull is checked before its release
@@ -563,7 +566,8 @@ class Consumer(HandleBase):
             if self.grants.revoke(slot, err, time.monotonic()):
                 self._count("failed")
             if s is not None:
-                s.send(wire.Error(req=slot.req, gen=slot.members()[0][1], code=err.code, message=str(err)))
+                error = wire.Error(req=slot.req, gen=slot.members()[0][1], code=err.code, message=str(err))
+                s.send(*(() if grant is None else (grant,)), error)
             return
         with self._lock:
             self.counters["completed"] += 1
@@ -583,8 +587,8 @@ class Consumer(HandleBase):
             slot.digests,
             {"admitted": slot.admitted, "completed": time.monotonic()},
         )
-        if kind == "push":
-            self._tell_members(slot, lambda gen: wire.Ack(req=slot.req, gen=gen))
+        if kind == "push":  # before the runtime sees it, so that a consumer closing once it has it loses no Ack
+            self._tell_members(slot, lambda gen: wire.Ack(req=slot.req, gen=gen), first=grant)
         if self.on_arrival is not None:
             try:
                 self.on_arrival(arrival)

@@ -144,3 +144,32 @@ def test_a_small_push_with_digests_still_has_them_checked(consumers, transport):
         t.result(10)
         assert not t.inline
         assert len(consumer.get(10).digests) == 8
+
+
+@pytest.mark.parametrize("inline_max", [None, 0], ids=["inline", "transport"])
+def test_a_push_is_acknowledged_before_the_runtime_sees_it(consumers, transport, inline_max):
+    """A runtime that closes its consumer as soon as a request arrived must not fail the producer's push: the
+    Ack leaves before the arrival is handed over. The callback holds the hand-off until the producer's push ended;
+    an Ack sent after the hand-off would never come while it waits."""
+    import time
+
+    spec = Spec()
+    pushes: dict = {}
+    outcomes: list = []
+
+    def on_arrival(arrival):
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not (arrival.req in pushes and pushes[arrival.req].done()):
+            time.sleep(0.005)
+        outcomes.append(arrival.req in pushes and pushes[arrival.req].done())
+
+    consumer = consumers(spec, on_arrival=on_arrival, queue_arrivals=True)
+    options = {} if inline_max is None else {"inline_max": inline_max}
+    with _producer(spec, transport, seed=3, **options) as p:
+        for i, n in enumerate((1, 3)):
+            t = pushes[f"r{i}"] = p.push(consumer.address, f"r{i}", np.arange(n))
+            t.result(10)
+            assert t.inline == (inline_max is None)
+            consumer.get(10)
+            consumer.release(f"r{i}")
+    assert outcomes == [True, True]
