@@ -12,11 +12,12 @@ dead peer fails the transfer instead of hanging it. The protocol is the TCP tran
 
 ucxx 0.52 can cancel neither one posted receive nor an endpoint's receives, so a receive is never posted
 into KV memory: the stream lands in a host bounce buffer and is scattered into the granted blocks only after
-it arrived and while the grant holds. A receive abandoned mid-way (a stopped peer) keeps its buffer until
-the transport closes. The sender gathers its blocks into a buffer the same way. Host memory only.
+it arrived and while the grant holds. The sender gathers its blocks into a buffer the same way. Every request
+keeps its buffer alive until it ends, even one given up mid-way (a stopped peer), or the transport closes. Host
+memory only.
 
 Tags are unique per receiving worker: 32 bits of link id (from the session key, checked unique among this
-transport's links), 24 bits of transfer sequence, 8 bits of message kind.
+transport's links), 24 bits of transfer sequence (odd for pushes, even for pulls), 8 bits of message kind.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import itertools
 import os
 import threading
 import time
-from typing import cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import numpy as np
@@ -86,6 +87,14 @@ def _unframe(buf: np.ndarray, decoder):
         raise ProtocolError(f"malformed UCX control message: {e}") from None
 
 
+class _Op(NamedTuple):
+    """A posted UCX request and the buffer it reads or fills: UCX holds only a pointer, so the buffer must live
+    until the request ended (a send posted before the endpoint's wire-up finished goes out later)."""
+
+    req: Any
+    buf: np.ndarray
+
+
 def _link_id(peer: Peer) -> int:
     """The same 32 bits on both sides of a session, unpredictable to anyone without its key."""
     digest = hashlib.blake2b(peer.key + str(peer.session).encode(), digest_size=4, person=b"kvxfer-ucx").digest()
@@ -105,9 +114,10 @@ class UcxTransport(Transport):
         self.worker = ucx.UCXWorker(self.context)
         self.worker.start_progress_thread()
         self.links: dict[int, UcxLink] = {}
-        self.abandoned: list[tuple[list, np.ndarray]] = []  # receives that may still land in these buffers
+        self.unattended: list[_Op] = []  # requests nobody waits for any more, kept until they end
         self.closed = False
         self._lock = threading.Lock()
+        self.calls = threading.Lock()  # one thread at a time posts requests on this worker or sorts `unattended`
 
     def local_meta(self) -> bytes:
         return self.worker.address.tobytes()
@@ -147,7 +157,7 @@ class UcxTransport(Transport):
             self.worker.stop_progress_thread()
         with contextlib.suppress(Exception):
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
-        self.abandoned.clear()
+        self.unattended.clear()
 
     # ---- the stream: gather into and scatter from a bounce buffer ---------------------------------------
     def gather(self, ext: Extents) -> np.ndarray:
@@ -175,7 +185,9 @@ class UcxLink(Link[UcxTransport]):
         self.ep = ep
         self.lid = lid
         self.closed = False
-        self._seq = itertools.count(1)
+        # the producer numbers pushes odd, the consumer pulls even: both land data on the consumer's worker, so a
+        # push and a pull of one session never share a tag
+        self._seq = itertools.count(1 if peer.is_producer else 2, 2)
 
     def _tag(self, seq: int, kind: int) -> ucx.UCXXTag:
         return ucx.UCXXTag((self.lid << 32) | ((seq & 0xFFFFFF) << 8) | kind)
@@ -197,10 +209,18 @@ class UcxLink(Link[UcxTransport]):
         if not self.ep.alive:
             raise PeerError("UCX endpoint to the peer failed (peer gone)")
 
-    def _wait(self, reqs: list, check) -> None:
-        """Block until every request completed; ``check`` raises to stop waiting (deadline, cancel, closed)."""
+    def _wait(self, ops: list[_Op], check) -> None:
+        """Block until every request completed; ``check`` raises to stop waiting (deadline, cancel, closed).
+        Requests still running when it raises are left to ``unattended``, with their buffers."""
+        try:
+            self._wait_all(ops, check)
+        except BaseException:
+            self._leave(ops)
+            raise
+
+    def _wait_all(self, ops: list[_Op], check) -> None:
         pause = 0.00002
-        for r in reqs:
+        for r, _ in ops:
             while not r.completed:
                 check()
                 time.sleep(pause)
@@ -212,37 +232,32 @@ class UcxLink(Link[UcxTransport]):
                     raise PeerError(f"UCX peer gone: {e}") from None
                 raise TransportError(f"UCX request failed: {type(e).__name__}: {e}") from None
 
-    def _send(self, data: np.ndarray, tag: ucx.UCXXTag):
+    def _send(self, data: np.ndarray, tag: ucx.UCXXTag) -> _Op:
         self._live()
-        return self.ep.tag_send(Array(data), tag)
+        with self.t.calls:
+            return _Op(self.ep.tag_send(Array(data), tag), data)
 
-    def _post(self, buf: np.ndarray, tag: ucx.UCXXTag):
+    def _post(self, buf: np.ndarray, tag: ucx.UCXXTag) -> _Op:
         self._live()
-        return self.ep.tag_recv(Array(buf), tag)
+        with self.t.calls:
+            return _Op(self.ep.tag_recv(Array(buf), tag), buf)
 
-    def _abandon(self, reqs: list, buf: np.ndarray) -> None:
-        """Keep ``buf`` alive while a receive into it may still complete."""
-        kept = [(rs, b) for rs, b in self.t.abandoned if not all(r.completed for r in rs)]
-        if not all(r.completed for r in reqs):
-            kept.append((reqs, buf))
-        self.t.abandoned = kept
+    def _leave(self, ops: list[_Op]) -> None:
+        """Keep the buffers of requests still running alive until they end (or the transport closes)."""
+        with self.t.calls:
+            self.t.unattended = [op for op in self.t.unattended + ops if not op.req.completed]
 
     def _reply(self, seq: int, kind: int, reply: Reply) -> None:
-        with contextlib.suppress(Exception):
-            self._send(_frame(reply), self._tag(seq, kind))
+        with contextlib.suppress(KVXferError):
+            self._leave([self._send(_frame(reply), self._tag(seq, kind))])
 
     def _refusal(self, seq: int, kind: int, e: KVXferError) -> None:
         self._reply(seq, kind, Reply(ok=False, code=e.code, message=str(e)))
 
     def _await_reply(self, seq: int, kind: int, check) -> Reply:
-        buf = np.empty(REPLY_MAX, dtype=np.uint8)
-        req = self._post(buf, self._tag(seq, kind))
-        try:
-            self._wait([req], check)
-        except BaseException:
-            self._abandon([req], buf)
-            raise
-        reply = _unframe(buf, _REPLY)
+        op = self._post(np.empty(REPLY_MAX, dtype=np.uint8), self._tag(seq, kind))
+        self._wait([op], check)
+        reply = _unframe(op.buf, _REPLY)
         if not reply.ok:
             raise from_code(reply.code, reply.message)
         return reply
@@ -258,21 +273,28 @@ class UcxLink(Link[UcxTransport]):
         return check
 
     def _send_stream(self, data: np.ndarray, seq: int, check) -> None:
-        tag = self._tag(seq, DATA)
-        self._wait([self._send(data[o : o + n], tag) for o, n in self.t.windows(len(data))], check)
+        tag, ops = self._tag(seq, DATA), []
+        try:
+            for o, n in self.t.windows(len(data)):
+                ops.append(self._send(data[o : o + n], tag))
+        except BaseException:
+            self._leave(ops)
+            raise
+        self._wait(ops, check)
 
     def _recv_stream(self, ext: Extents, seq: int, check) -> None:
         """Receive the stream into a bounce buffer, scattering each window into ``ext`` once it arrived."""
         buf = np.empty(ext.total, dtype=np.uint8)
         tag = self._tag(seq, DATA)
-        spans = self.t.windows(ext.total)
-        reqs = [self._post(buf[o : o + n], tag) for o, n in spans]
+        spans, ops = self.t.windows(ext.total), []
         try:
-            for (o, n), r in zip(spans, reqs, strict=True):
-                self._wait([r], check)
-                self.t.scatter(ext.window(o, n), buf[o : o + n])
+            for o, n in spans:
+                ops.append(self._post(buf[o : o + n], tag))
+            for (o, n), op in zip(spans, ops, strict=True):
+                self._wait_all([op], check)
+                self.t.scatter(ext.window(o, n), op.buf)
         except BaseException:
-            self._abandon(reqs, buf)
+            self._leave(ops)
             raise
 
     # ---- push: producer side -----------------------------------------------------------------------------
@@ -292,13 +314,10 @@ class UcxLink(Link[UcxTransport]):
         """Receive headers one at a time and handle each on its own thread, so a slow transfer holds no other."""
         buf = np.empty(HEADER_MAX, dtype=np.uint8)
         while True:
-            reqs = []
             try:
-                reqs.append(self._post(buf, self._tag(0, HEADER)))
-                self._wait(reqs, self._live)
+                self._wait([self._post(buf, self._tag(0, HEADER))], self._live)
                 head = _unframe(buf, _HEADER)
             except KVXferError:
-                self._abandon(reqs, buf)
                 return
             handle = self._serve_pull if self.peer.is_producer else self._serve_push
             threading.Thread(target=handle, args=(head,), daemon=True, name="kvxfer-ucx-move").start()
