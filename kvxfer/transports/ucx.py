@@ -52,7 +52,8 @@ _LEN = 4  # bytes of a control message's length prefix
 
 
 class Header(msgspec.Struct, array_like=True):
-    op: str  # "push" or "pull"
+    """A push (to a consumer) or a pull (to a producer): which one is the receiving side's role."""
+
     seq: int
     req: str
     gen: int
@@ -117,7 +118,9 @@ class UcxTransport(Transport):
         self.unattended: list[_Op] = []  # requests nobody waits for any more, kept until they end
         self.closed = False
         self._lock = threading.Lock()
-        self.calls = threading.Lock()  # one thread at a time posts requests on this worker or sorts `unattended`
+        # our threads post requests one at a time (cheap next to a message), leaving ucxx one caller beside its
+        # progress thread; the same lock guards ``unattended``
+        self.calls = threading.Lock()
 
     def local_meta(self) -> bytes:
         return self.worker.address.tobytes()
@@ -302,7 +305,7 @@ class UcxLink(Link[UcxTransport]):
         ext = self._extents(src_ids, part, chunks)
         check = self._checker(deadline, cancel)
         seq = next(self._seq)
-        head = Header("push", seq, req, gen, wire.ids_to_bytes(dst_ids), ext.total, deadline - time.monotonic())
+        head = Header(seq, req, gen, wire.ids_to_bytes(dst_ids), ext.total, deadline - time.monotonic())
         self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
         self._await_reply(seq, READY, check)
         self._send_stream(self.t.gather(ext), seq, check)
@@ -388,7 +391,7 @@ class UcxLink(Link[UcxTransport]):
         ext = self._extents(dst_ids, chunks=chunks)
         check = self._checker(deadline, cancel)
         seq = next(self._seq)
-        head = Header("pull", seq, req, gen, wire.ids_to_bytes(src_ids), ext.total, deadline - time.monotonic())
+        head = Header(seq, req, gen, wire.ids_to_bytes(src_ids), ext.total, deadline - time.monotonic())
         self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
         self._await_reply(seq, READY, check)
         self._recv_stream(ext, seq, check)
