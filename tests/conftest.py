@@ -7,7 +7,7 @@ from conformance.peers import ProducerProcess as Sender
 from kvxfer import transports
 from local_service import SPEC, Local
 
-ALL_TRANSPORTS = ("tcp", "nixl")
+ALL_TRANSPORTS = ("tcp", "nixl", "ucx")
 
 
 def transport_params():

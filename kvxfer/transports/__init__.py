@@ -1,4 +1,5 @@
-"""Transports by name: ``"tcp"``, ``"nixl"``, and ``"auto"`` (nixl where it can run, else tcp)."""
+"""Transports by name: ``"tcp"``, ``"nixl"``, ``"ucx"``, and ``"auto"`` (nixl where it can run, else tcp; ucx
+ranks after tcp, so ``"auto"`` never picks it over either)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from functools import cache
 from ..errors import TransportError
 from .base import Host, Link, Peer, ReadHost, Transport, WriteHost
 
-_REGISTRY = {"tcp": "kvxfer.transports.tcp:TcpTransport", "nixl": "kvxfer.transports.nixl:NixlTransport"}
+_REGISTRY = {
+    "tcp": "kvxfer.transports.tcp:TcpTransport",
+    "nixl": "kvxfer.transports.nixl:NixlTransport",
+    "ucx": "kvxfer.transports.ucx:UcxTransport",
+}
 
 __all__ = ["Host", "Link", "Peer", "ReadHost", "Transport", "WriteHost", "available", "candidates", "get", "resolve"]
 
@@ -36,7 +41,7 @@ def _usable(name: str) -> bool:
 
 def available() -> list[str]:
     """Transports that can run on this machine, best first."""
-    return [n for n in ("nixl", "tcp") if _usable(n)]
+    return [n for n in ("nixl", "tcp", "ucx") if _usable(n)]
 
 
 def candidates(name: str) -> list[str]:

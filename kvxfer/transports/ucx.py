@@ -1,0 +1,405 @@
+"""UCX transport: two-sided tag messages over UCX (``ucxx``), for stacks that carry UCX but not NIXL.
+
+Each endpoint runs one UCX worker with its own progress thread; its address travels in kvxfer's handshake
+(``local_meta``) and each link opens one endpoint to the peer's worker, with UCX's error handling on so a
+dead peer fails the transfer instead of hanging it. The protocol is the TCP transport's, in tag messages:
+
+* push: the producer sends a ``Header`` naming (request, generation, blocks, bytes); the consumer checks it
+  against its ledger (``begin_write``), posts its receives and answers ``ready``; the producer sends the
+  transfer's byte stream in ``window``-sized messages; the consumer answers once ``end_write`` took them.
+* pull: the consumer sends a ``Header``; the producer checks it against its leases (``begin_read``), answers
+  ``ready`` and sends the stream.
+
+ucxx 0.52 can cancel neither one posted receive nor an endpoint's receives, so a receive is never posted
+into KV memory: the stream lands in a host bounce buffer and is scattered into the granted blocks only after
+it arrived and while the grant holds. The sender gathers its blocks into a buffer the same way. Every request
+keeps its buffer alive until it ends, even one given up mid-way (a stopped peer), or the transport closes. Host
+memory only.
+
+Tags are unique per receiving worker: 32 bits of link id (from the session key, checked unique among this
+transport's links), 24 bits of transfer sequence (odd for pushes, even for pulls), 8 bits of message kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import threading
+import time
+from typing import Any, NamedTuple, cast
+
+import msgspec
+import numpy as np
+
+from .. import wire
+from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, ProtocolError, TransportError, from_code
+from ..memory import HOST, host_buffer
+from ..plan import Extents
+from .base import Link, Peer, ReadHost, Transport, WriteHost
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # set before UCX reads its environment
+
+import ucxx._lib.libucxx as ucx
+from ucxx._lib.arr import Array
+
+HEADER_MAX = 1 << 20  # a header names at most ~256k block ids
+REPLY_MAX = 4096
+
+HEADER, READY, DONE, DATA = 1, 2, 3, 4  # message kinds, the low byte of a tag
+_LEN = 4  # bytes of a control message's length prefix
+
+
+class Header(msgspec.Struct, array_like=True):
+    """A push (to a consumer) or a pull (to a producer): which one is the receiving side's role."""
+
+    seq: int
+    req: str
+    gen: int
+    ids: bytes
+    total: int
+    timeout: float  # seconds the initiator still waits: bounds how long the other side keeps sending
+
+
+class Reply(msgspec.Struct, array_like=True):
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_HEADER = msgspec.msgpack.Decoder(Header)
+_REPLY = msgspec.msgpack.Decoder(Reply)
+
+
+def _frame(msg: msgspec.Struct) -> np.ndarray:
+    body = _ENCODER.encode(msg)
+    return np.frombuffer(len(body).to_bytes(_LEN, "little") + body, dtype=np.uint8)
+
+
+def _unframe(buf: np.ndarray, decoder):
+    n = int.from_bytes(buf[:_LEN].tobytes(), "little")
+    if n > len(buf) - _LEN:
+        raise ProtocolError("truncated UCX control message")
+    try:
+        return decoder.decode(buf[_LEN : _LEN + n])
+    except msgspec.MsgspecError as e:
+        raise ProtocolError(f"malformed UCX control message: {e}") from None
+
+
+class _Op(NamedTuple):
+    """A posted UCX request and the buffer it reads or fills: UCX holds only a pointer, so the buffer must live
+    until the request ended (a send posted before the endpoint's wire-up finished goes out later)."""
+
+    req: Any
+    buf: np.ndarray
+
+
+def _link_id(peer: Peer) -> int:
+    """The same 32 bits on both sides of a session, unpredictable to anyone without its key."""
+    digest = hashlib.blake2b(peer.key + str(peer.session).encode(), digest_size=4, person=b"kvxfer-ucx").digest()
+    return int.from_bytes(digest, "little")
+
+
+class UcxTransport(Transport):
+    name = "ucx"
+
+    def __init__(self, layout, host, *, window: int = 8 << 20, **_):
+        super().__init__(layout, host)
+        if any(r.device != HOST for r in layout.regions):
+            raise TransportError("the ucx transport moves host memory only")
+        self.window = max(1, int(window))
+        self.bufs = [host_buffer(r) for r in layout.regions]
+        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self.worker = ucx.UCXWorker(self.context)
+        self.worker.start_progress_thread()
+        self.links: dict[int, UcxLink] = {}
+        self.unattended: list[_Op] = []  # requests nobody waits for any more, kept until they end
+        self.closed = False
+        self._lock = threading.Lock()
+        # our threads post requests one at a time (cheap next to a message), leaving ucxx one caller beside its
+        # progress thread; the same lock guards ``unattended``
+        self.calls = threading.Lock()
+
+    def local_meta(self) -> bytes:
+        return self.worker.address.tobytes()
+
+    def connect(self, peer: Peer) -> UcxLink:
+        lid = _link_id(peer)
+        with self._lock:
+            if self.closed:
+                raise PeerError("UCX transport closed")
+            if any(x.lid == lid for x in self.links.values()):
+                raise TransportError("UCX link id collides with a live link; retry the handshake")
+            try:
+                address = ucx.UCXAddress.create_from_buffer(peer.meta)
+                ep = ucx.UCXEndpoint.create_from_worker_address(self.worker, address, True)
+            except Exception as e:
+                raise TransportError(f"opening a UCX endpoint to the peer: {e}") from None
+            link = self.links[peer.session] = UcxLink(self, peer, ep, lid)
+        link.start()
+        return link
+
+    def disconnect(self, session: int) -> None:
+        with self._lock:
+            link = self.links.pop(session, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        """Close every link, then cancel what is still posted on the worker before its buffers go."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            links, self.links = list(self.links.values()), {}
+        for link in links:
+            link.close()
+        with contextlib.suppress(Exception):
+            self.worker.stop_progress_thread()
+        with contextlib.suppress(Exception):
+            self.worker.cancel_inflight_requests(period=0, max_attempts=1)
+        self.unattended.clear()
+
+    # ---- the stream: gather into and scatter from a bounce buffer ---------------------------------------
+    def gather(self, ext: Extents) -> np.ndarray:
+        out = np.empty(ext.total, dtype=np.uint8)
+        at = 0
+        for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True):
+            out[at : at + n] = np.frombuffer(self.bufs[r][o : o + n], dtype=np.uint8)
+            at += n
+        return out
+
+    def scatter(self, ext: Extents, data: np.ndarray) -> None:
+        at = 0
+        for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True):
+            np.frombuffer(self.bufs[r][o : o + n], dtype=np.uint8)[:] = data[at : at + n]
+            at += n
+
+    def windows(self, total: int) -> list[tuple[int, int]]:
+        return [(o, min(self.window, total - o)) for o in range(0, total, self.window)]
+
+
+class UcxLink(Link[UcxTransport]):
+    def __init__(self, transport: UcxTransport, peer: Peer, ep, lid: int):
+        self.t = transport
+        self.peer = peer
+        self.ep = ep
+        self.lid = lid
+        self.closed = False
+        # the producer numbers pushes odd, the consumer pulls even: both land data on the consumer's worker, so a
+        # push and a pull of one session never share a tag
+        self._seq = itertools.count(1 if peer.is_producer else 2, 2)
+
+    def _tag(self, seq: int, kind: int) -> ucx.UCXXTag:
+        return ucx.UCXXTag((self.lid << 32) | ((seq & 0xFFFFFF) << 8) | kind)
+
+    def start(self) -> None:
+        """Serve the peer's headers: push headers on a consumer, pull headers on a producer."""
+        threading.Thread(target=self._serve, daemon=True, name="kvxfer-ucx-serve").start()
+
+    def _extents(self, ids: np.ndarray, part=None, chunks: int | None = None) -> Extents:
+        return self.paging(part).side(self.peer.is_producer, ids, chunks, self.t.layout.num_blocks)
+
+    def descriptors(self, src_ids, dst_ids, chunks=None) -> int:
+        return len(self._extents(src_ids if self.peer.is_producer else dst_ids, chunks=chunks))
+
+    # ---- waiting on UCX requests -------------------------------------------------------------------------
+    def _live(self) -> None:
+        if self.closed or self.t.closed:
+            raise PeerError("link closed")
+        if not self.ep.alive:
+            raise PeerError("UCX endpoint to the peer failed (peer gone)")
+
+    def _wait(self, ops: list[_Op], check) -> None:
+        """Block until every request completed; ``check`` raises to stop waiting (deadline, cancel, closed).
+        Requests still running when it raises are left to ``unattended``, with their buffers."""
+        try:
+            self._wait_all(ops, check)
+        except BaseException:
+            self._leave(ops)
+            raise
+
+    def _wait_all(self, ops: list[_Op], check) -> None:
+        pause = 0.00002
+        for r, _ in ops:
+            while not r.completed:
+                check()
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+            try:
+                r.check_error()
+            except Exception as e:
+                if not self.ep.alive:
+                    raise PeerError(f"UCX peer gone: {e}") from None
+                raise TransportError(f"UCX request failed: {type(e).__name__}: {e}") from None
+
+    def _send(self, data: np.ndarray, tag: ucx.UCXXTag) -> _Op:
+        self._live()
+        with self.t.calls:
+            return _Op(self.ep.tag_send(Array(data), tag), data)
+
+    def _post(self, buf: np.ndarray, tag: ucx.UCXXTag) -> _Op:
+        self._live()
+        with self.t.calls:
+            return _Op(self.ep.tag_recv(Array(buf), tag), buf)
+
+    def _leave(self, ops: list[_Op]) -> None:
+        """Keep the buffers of requests still running alive until they end (or the transport closes)."""
+        with self.t.calls:
+            self.t.unattended = [op for op in self.t.unattended + ops if not op.req.completed]
+
+    def _reply(self, seq: int, kind: int, reply: Reply) -> None:
+        with contextlib.suppress(KVXferError):
+            self._leave([self._send(_frame(reply), self._tag(seq, kind))])
+
+    def _refusal(self, seq: int, kind: int, e: KVXferError) -> None:
+        self._reply(seq, kind, Reply(ok=False, code=e.code, message=str(e)))
+
+    def _await_reply(self, seq: int, kind: int, check) -> Reply:
+        op = self._post(np.empty(REPLY_MAX, dtype=np.uint8), self._tag(seq, kind))
+        self._wait([op], check)
+        reply = _unframe(op.buf, _REPLY)
+        if not reply.ok:
+            raise from_code(reply.code, reply.message)
+        return reply
+
+    def _checker(self, deadline: float, cancel: threading.Event):
+        def check() -> None:
+            if cancel.is_set():
+                raise CancelledError("transfer cancelled")
+            self._live()
+            if time.monotonic() >= deadline:
+                raise DeadlineError("UCX transfer still in progress at the deadline")
+
+        return check
+
+    def _send_stream(self, data: np.ndarray, seq: int, check) -> None:
+        tag, ops = self._tag(seq, DATA), []
+        try:
+            for o, n in self.t.windows(len(data)):
+                ops.append(self._send(data[o : o + n], tag))
+        except BaseException:
+            self._leave(ops)
+            raise
+        self._wait(ops, check)
+
+    def _recv_stream(self, ext: Extents, seq: int, check) -> None:
+        """Receive the stream into a bounce buffer, scattering each window into ``ext`` once it arrived."""
+        buf = np.empty(ext.total, dtype=np.uint8)
+        tag = self._tag(seq, DATA)
+        spans, ops = self.t.windows(ext.total), []
+        try:
+            for o, n in spans:
+                ops.append(self._post(buf[o : o + n], tag))
+            for (o, n), op in zip(spans, ops, strict=True):
+                self._wait_all([op], check)
+                self.t.scatter(ext.window(o, n), op.buf)
+        except BaseException:
+            self._leave(ops)
+            raise
+
+    # ---- push: producer side -----------------------------------------------------------------------------
+    def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None, chunks=None) -> int:
+        ext = self._extents(src_ids, part, chunks)
+        check = self._checker(deadline, cancel)
+        seq = next(self._seq)
+        head = Header(seq, req, gen, wire.ids_to_bytes(dst_ids), ext.total, deadline - time.monotonic())
+        self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
+        self._await_reply(seq, READY, check)
+        self._send_stream(self.t.gather(ext), seq, check)
+        self._await_reply(seq, DONE, check)
+        return ext.total
+
+    # ---- push and pull: the serving side -----------------------------------------------------------------
+    def _serve(self) -> None:
+        """Receive headers one at a time and handle each on its own thread, so a slow transfer holds no other."""
+        buf = np.empty(HEADER_MAX, dtype=np.uint8)
+        while True:
+            try:
+                self._wait([self._post(buf, self._tag(0, HEADER))], self._live)
+                head = _unframe(buf, _HEADER)
+            except KVXferError:
+                return
+            handle = self._serve_pull if self.peer.is_producer else self._serve_push
+            threading.Thread(target=handle, args=(head,), daemon=True, name="kvxfer-ucx-move").start()
+
+    def _serve_push(self, head: Header) -> None:
+        host = cast(WriteHost, self.t.host)
+        try:
+            ids = wire.ids_from_bytes(head.ids, self.t.layout.num_blocks)
+            ticket = host.begin_write(self.peer.session, head.req, head.gen, ids)
+        except KVXferError as e:
+            self._refusal(head.seq, READY, e)
+            return
+        answer = READY  # which reply the producer waits for: a failure before the stream answers the header
+        try:
+            ext = self._extents(ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None))
+            if ext.total != head.total:
+                raise ProtocolError(f"the grant holds {ext.total} bytes, the producer sends {head.total}")
+            self._reply(head.seq, READY, Reply(ok=True))
+            answer = DONE
+
+            def check() -> None:
+                if ticket.error is not None:
+                    raise ticket.error
+                self._live()
+
+            self._recv_stream(ext, head.seq, check)
+        except KVXferError as e:
+            host.end_write(ticket, 0, e)
+            self._refusal(head.seq, answer, e)
+            return
+        host.end_write(ticket, ext.total, None)
+        self._reply(head.seq, DONE, Reply(ok=True))
+
+    def _serve_pull(self, head: Header) -> None:
+        host = cast(ReadHost, self.t.host)
+        try:
+            ids = wire.ids_from_bytes(head.ids, self.t.layout.num_blocks)
+            ticket = host.begin_read(self.peer.session, head.req, head.gen, ids)
+        except KVXferError as e:
+            self._refusal(head.seq, READY, e)
+            return
+        try:
+            ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
+            if ext.total != head.total:
+                raise ProtocolError(f"the offer holds {ext.total} bytes, the consumer asks for {head.total}")
+        except KVXferError as e:
+            host.end_read(ticket, 0, e)
+            self._refusal(head.seq, READY, e)
+            return
+        data = self.t.gather(ext)
+        self._reply(head.seq, READY, Reply(ok=True))
+        until = time.monotonic() + max(0.0, head.timeout)
+
+        def check() -> None:
+            self._live()
+            if time.monotonic() >= until:
+                raise DeadlineError("the consumer stopped reading")
+
+        try:
+            self._send_stream(data, head.seq, check)
+        except KVXferError as e:
+            host.end_read(ticket, 0, e)
+            return
+        host.end_read(ticket, ext.total, None)
+
+    # ---- pull: consumer side -----------------------------------------------------------------------------
+    def read(self, req, gen, src_ids, dst_ids, deadline, cancel, chunks=None) -> int:
+        ext = self._extents(dst_ids, chunks=chunks)
+        check = self._checker(deadline, cancel)
+        seq = next(self._seq)
+        head = Header(seq, req, gen, wire.ids_to_bytes(src_ids), ext.total, deadline - time.monotonic())
+        self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
+        self._await_reply(seq, READY, check)
+        self._recv_stream(ext, seq, check)
+        return ext.total
+
+    def close(self) -> None:
+        """Close the endpoint unless UCX already did: closing one that failed with its peer crashes ucxx."""
+        self.closed = True
+        if self.ep.alive:
+            with contextlib.suppress(Exception):
+                self.ep.close()
