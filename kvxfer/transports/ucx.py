@@ -35,7 +35,8 @@ import numpy as np
 
 from .. import wire
 from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, ProtocolError, TransportError, from_code
-from ..memory import HOST, host_buffer
+from ..inline import Inline
+from ..memory import HOST
 from ..plan import Extents
 from .base import Link, Peer, ReadHost, Transport, WriteHost
 
@@ -110,7 +111,7 @@ class UcxTransport(Transport):
         if any(r.device != HOST for r in layout.regions):
             raise TransportError("the ucx transport moves host memory only")
         self.window = max(1, int(window))
-        self.bufs = [host_buffer(r) for r in layout.regions]
+        self.copies = Inline(layout)
         self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context)
         self.worker.start_progress_thread()
@@ -162,20 +163,12 @@ class UcxTransport(Transport):
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
         self.unattended.clear()
 
-    # ---- the stream: gather into and scatter from a bounce buffer ---------------------------------------
+    # ---- the stream: gather into and scatter from a bounce buffer (``inline``'s host copies) --------------
     def gather(self, ext: Extents) -> np.ndarray:
-        out = np.empty(ext.total, dtype=np.uint8)
-        at = 0
-        for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True):
-            out[at : at + n] = np.frombuffer(self.bufs[r][o : o + n], dtype=np.uint8)
-            at += n
-        return out
+        return np.frombuffer(self.copies.pack(ext), dtype=np.uint8)
 
     def scatter(self, ext: Extents, data: np.ndarray) -> None:
-        at = 0
-        for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True):
-            np.frombuffer(self.bufs[r][o : o + n], dtype=np.uint8)[:] = data[at : at + n]
-            at += n
+        self.copies.unpack(ext, data.data)
 
     def windows(self, total: int) -> list[tuple[int, int]]:
         return [(o, min(self.window, total - o)) for o in range(0, total, self.window)]
