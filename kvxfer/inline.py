@@ -48,7 +48,7 @@ class Inline:
         self.engine.gather(ext, slot).wait()
         return bytes(slot.view)
 
-    def unpack(self, ext: Extents, data: bytes | memoryview) -> None:
+    def unpack(self, ext: Extents, data: bytes) -> None:
         if len(ext) <= FEW:
             view = memoryview(data)
             for piece, lo, hi in self._pieces(ext):

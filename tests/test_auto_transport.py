@@ -35,3 +35,24 @@ def test_no_common_transport_is_incompatible():
         pytest.raises(IncompatibleError),
     ):
         p.push(c.address, "r", [1]).wait(10)
+
+
+def test_auto_never_opens_ucx_and_listing_transports_loads_no_ucx():
+    """A handle opened as auto opens every candidate: ucx is not one (its UCX, loaded before NIXL's in a process,
+    slows NIXL several times), and listing or probing transports does not load ucxx either."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from kvxfer import Consumer, KVLayout, transports\n"
+        "assert 'ucx' not in transports.candidates('auto'), transports.candidates('auto')\n"
+        "names = transports.available()\n"
+        "with Consumer(KVLayout.from_tensors([np.zeros((16, 2, 4, 8), np.float16)]), transport='auto') as c:\n"
+        "    assert 'ucx' not in c.transports, list(c.transports)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'ucxx')\n"
+        "assert not loaded, loaded\n"
+        "print(names)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

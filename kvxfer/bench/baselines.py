@@ -190,3 +190,104 @@ class RawNixl:
         with contextlib.suppress(Exception):  # best effort at teardown
             self.agent.deregister_memory(self.reg)
         self.agent = None
+
+
+# ---- raw ucxx --------------------------------------------------------------------------------------------
+_UCX_DATA, _UCX_ACK = 2, 3  # tags of the raw ucxx baseline's messages
+
+
+def ucx_importable() -> bool:
+    """Whether ucxx is installed (found, not loaded: its UCX must come after NIXL's in a process)."""
+    from ..transports.ucx import UcxTransport
+
+    return UcxTransport.usable()
+
+
+class RawUcx:
+    """One ucxx worker (progress thread, as the ucx transport runs it) and an endpoint to the other half's:
+    one contiguous tag message each way per transfer, no kvxfer protocol, no bounce copies."""
+
+    def __init__(self):
+        from ..transports.ucx import ucxx
+
+        self.u = ucx = ucxx()
+        self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+        self.worker = ucx.UCXWorker(self.context)
+        self.worker.start_progress_thread()
+        self.ep = None
+
+    def address(self) -> bytes:
+        return self.worker.address.tobytes()
+
+    def connect(self, address: bytes) -> None:
+        u = self.u
+        self.ep = u.UCXEndpoint.create_from_worker_address(self.worker, u.UCXAddress.create_from_buffer(address), True)
+
+    def post(self, send: bool, buf: np.ndarray, tag: int):
+        from ucxx._lib.arr import Array
+
+        call = self.ep.tag_send if send else self.ep.tag_recv
+        return call(Array(buf), self.u.UCXXTag(tag))
+
+    @staticmethod
+    def wait(*reqs, timeout: float = 60.0) -> None:
+        """Poll as the ucx transport does (a pause doubling up to 1 ms), then raise what UCX reported."""
+        end, pause = time.monotonic() + timeout, 0.00002
+        for r in reqs:
+            while not r.completed:
+                if time.monotonic() > end:
+                    raise TimeoutError("raw ucxx request did not complete")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+            r.check_error()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.worker.stop_progress_thread()
+
+
+class UcxReceiver:
+    """Consumer half: receives each message into one buffer, then acknowledges it with one byte."""
+
+    def __init__(self, capacity: int, sender: bytes):
+        self.raw = RawUcx()
+        self.raw.connect(sender)
+        self.buf = touched(capacity, 3)
+        self.ack = np.ones(1, dtype=np.uint8)
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-ucx-baseline")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                r = self.raw.post(False, self.buf, _UCX_DATA)
+                while not r.completed:
+                    if self.stop.wait(0.0005):
+                        return
+                r.check_error()
+                self.raw.wait(self.raw.post(True, self.ack, _UCX_ACK))
+        except BaseException as e:  # reported to the driver through ``close``
+            self.error = e
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.raw.close()
+
+
+class UcxSender:
+    """Producer half: ``send(n)`` times one tag message of ``n`` contiguous bytes and its acknowledgement."""
+
+    def __init__(self, raw: RawUcx, src: np.ndarray):
+        self.raw = raw
+        self.src = src
+        self.ack = np.zeros(1, dtype=np.uint8)
+
+    def send(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        ack = self.raw.post(False, self.ack, _UCX_ACK)
+        data = self.raw.post(True, self.src[:nbytes], _UCX_DATA)
+        self.raw.wait(data, ack)
+        return time.perf_counter() - t0

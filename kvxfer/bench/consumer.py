@@ -75,6 +75,7 @@ class ConsumerHalf:
         self.consumer: Consumer | None = None
         self.arrived: dict = {}
         self.sock_rx: baselines.SocketReceiver | None = None
+        self.ucx_rx: baselines.UcxReceiver | None = None
         self.nixl: baselines.RawNixl | None = None
 
     # ---- loop ----------------------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class ConsumerHalf:
         self.shutdown()
 
     def shutdown(self) -> None:
-        for close in (self.op_close, self.op_socket_close, self.op_nixl_close):
+        for close in (self.op_close, self.op_socket_close, self.op_nixl_close, self.op_ucx_close):
             with contextlib.suppress(Exception):
                 close()
         self.ctl.close()
@@ -116,6 +117,7 @@ class ConsumerHalf:
             "python": sys.version.split()[0],
             "missing": {n: why for n in transports if (why := usable(certs.split(n)[0]))},
             "nixl_raw": baselines.nixl_importable() if "nixl" in transports else False,
+            "ucx_raw": baselines.ucx_importable() if "ucx" in transports else False,
         }
 
     def op_setup(self, geometry: dict, src_blocks: int, dst_blocks: int, seed: int) -> dict:
@@ -222,6 +224,20 @@ class ConsumerHalf:
             self.sock_rx.close()
             err = self.sock_rx.error
             self.sock_rx = None
+        return {"error_text": repr(err) if err else ""}
+
+    # ---- raw ucxx baseline -----------------------------------------------------------------------------
+    def op_ucx_open(self, capacity: int, address: bytes) -> dict:
+        self.op_ucx_close()
+        self.ucx_rx = baselines.UcxReceiver(capacity, address)
+        return {"address": self.ucx_rx.raw.address()}
+
+    def op_ucx_close(self) -> dict:
+        err = None
+        if self.ucx_rx is not None:
+            self.ucx_rx.close()
+            err = self.ucx_rx.error
+            self.ucx_rx = None
         return {"error_text": repr(err) if err else ""}
 
     # ---- raw NIXL baseline -----------------------------------------------------------------------------

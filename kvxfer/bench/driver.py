@@ -88,6 +88,28 @@ class _SocketRef:
             raise ControlError(f"socket baseline receiver failed: {err}")
 
 
+class _UcxRef:
+    """The ucx baseline: raw ucxx, one contiguous tag message of the same byte count per transfer and a one-byte
+    acknowledgement, between the same two processes."""
+
+    name = "ucxx-raw"
+
+    def __init__(self, drv: Driver, capacity: int, src: np.ndarray):
+        self.drv = drv
+        self.raw = baselines.RawUcx()
+        self.raw.connect(drv.ctl.call("ucx_open", capacity=capacity, address=self.raw.address())["address"])
+        self.sender = baselines.UcxSender(self.raw, src)
+
+    def once(self, mode: str, src_ids, dst_ids) -> float:
+        return self.sender.send(len(src_ids) * self.drv.geom.block_bytes)
+
+    def close(self) -> None:
+        err = self.drv.ctl.call("ucx_close").get("error_text")
+        self.raw.close()
+        if err:
+            raise ControlError(f"ucxx baseline receiver failed: {err}")
+
+
 class _NixlRef:
     """The nixl baseline: NIXL called directly with the descriptors kvxfer's plan produces (WRITE for push,
     READ issued by the consumer for pull); every byte it moved is verified too."""
@@ -226,7 +248,7 @@ class Driver:
         producer = Producer(
             self.layout, transport=base, deadline=s.deadline, lease=s.deadline, transport_options=opts, tls=client
         )
-        ref: _SocketRef | _NixlRef | None = None
+        ref: _SocketRef | _NixlRef | _UcxRef | None = None
         ref_error = ""
         try:
             try:
@@ -236,6 +258,10 @@ class Driver:
                     if not (self.hello.get("nixl_raw") and baselines.nixl_importable()):
                         raise RuntimeError("nixl bindings are not importable on both halves")
                     ref = _NixlRef(self, per_block=s.nixl_baseline == "per-block")
+                elif name == "ucx":
+                    if not self.hello.get("ucx_raw"):
+                        raise RuntimeError("ucxx is not importable on both halves")
+                    ref = _UcxRef(self, cap, contiguous)
             except Exception as e:  # a missing baseline leaves the ratio empty, not the row
                 ref_error = f"{type(e).__name__}: {e}"
             for mode in s.modes:

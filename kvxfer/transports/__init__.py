@@ -1,5 +1,5 @@
-"""Transports by name: ``"tcp"``, ``"nixl"``, ``"ucx"``, and ``"auto"`` (nixl where it can run, else tcp; ucx
-ranks after tcp, so ``"auto"`` never picks it over either)."""
+"""Transports by name: ``"tcp"``, ``"nixl"``, ``"ucx"``, and ``"auto"`` (nixl where it can run, else tcp; ``ucx``
+only by name: a handle opened as ``auto`` opens every candidate, and ucx's UCX must not load before NIXL's)."""
 
 from __future__ import annotations
 
@@ -44,10 +44,13 @@ def available() -> list[str]:
     return [n for n in ("nixl", "tcp", "ucx") if _usable(n)]
 
 
+AUTO = ("nixl", "tcp")  # what ``auto`` may speak, best first
+
+
 def candidates(name: str) -> list[str]:
-    """The transports a handle opened as ``name`` may speak, best first: every available one for ``"auto"``
-    (the two sides then agree on the first both have), else just ``name``."""
-    return available() if name == "auto" else [name]
+    """The transports a handle opened as ``name`` may speak, best first: every available one of ``AUTO`` for
+    ``"auto"`` (the two sides then agree on the first both have), else just ``name``."""
+    return [n for n in available() if n in AUTO] if name == "auto" else [name]
 
 
 def resolve(name: str) -> str:
