@@ -200,11 +200,15 @@ class Driver:
 
     # ---- the run -------------------------------------------------------------------------------------------
     def run(self) -> list[dict]:
-        for bs in self.s.block_sizes:
-            self.run_geometry(dataclasses.replace(self.s.geometry, block_size=bs))
+        """Every geometry for every transport, ucx's rows after all others: ucxx's UCX, once loaded in a process,
+        slows every NIXL agent created after it (docs/transports.md)."""
+        late = [n for n in self.s.transports if n == "ucx"]
+        for names in ([n for n in self.s.transports if n not in late], late):
+            for bs in self.s.block_sizes if names else ():
+                self.run_geometry(dataclasses.replace(self.s.geometry, block_size=bs), names)
         return self.rows
 
-    def run_geometry(self, geom: models.Geometry) -> None:
+    def run_geometry(self, geom: models.Geometry, names: list[str]) -> None:
         s = self.s
         self.geom = geom
         blocks = geom.blocks_for(s.tokens)
@@ -229,7 +233,7 @@ class Driver:
             contiguous = baselines.touched(cap, 7)
             self.progress.note(f"{geom.name} block {geom.block_size}: memcpy of {total} B")
             self.memcpy = _median(baselines.memcpy_gbps(total, s.repeats, contiguous))
-            for name in s.transports:
+            for name in names:
                 self.run_transport(name, contiguous, cap)
         finally:
             del self.layout, arrays  # the source cache goes before the next geometry allocates its own
