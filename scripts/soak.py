@@ -555,7 +555,7 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=60.0, help="seconds to issue requests for")
     p.add_argument("--producers", type=int, default=3)
     p.add_argument("--requests", type=int, default=400, help="stop issuing after this many")
-    p.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
+    p.add_argument("--transport", default="tcp", choices=["tcp", "nixl", "ucx"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--fault-every", type=float, default=0.5, help="mean seconds between faults")
     p.add_argument("--json", help="also write the figures here")

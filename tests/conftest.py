@@ -25,6 +25,18 @@ def transport(request):
     return name
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Tests over ucx run after every other test: ucxx's UCX, once loaded in this process, slows every NIXL agent
+    created after it (docs/transports.md), and the NIXL and vLLM tests here make theirs in this process."""
+    late = [
+        item for item in items if getattr(item, "callspec", None) and item.callspec.params.get("transport") == "ucx"
+    ]
+    if late:
+        keep = [item for item in items if item not in set(late)]
+        items[:] = keep + late
+
+
 # ---- the receive-service tests (test_runtime, test_multisender) ---------------------------------------------
 @pytest.fixture
 def service(transport):
