@@ -396,7 +396,7 @@ class Router:
         from starlette.responses import Response, StreamingResponse
 
         assert self.vllm_pool is not None
-        candidates = self.vllm_pool.candidates()
+        candidates = await self.vllm_pool.up(self.client)
         if not candidates:
             self.errors.labels("busy").inc()
             if self.when_busy == "fallback":

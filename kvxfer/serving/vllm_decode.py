@@ -65,6 +65,9 @@ class Instance:
     inflight: int = 0
 
 
+PROBE_TIMEOUT = 5.0  # a loaded server's /health can take seconds; one slow answer must not drop it from the pool
+
+
 class VLLMDecodePool:
     """vLLM decode instances (``kv_consumer`` with a connector that fetches), health-checked through ``/health``."""
 
@@ -77,12 +80,19 @@ class VLLMDecodePool:
 
     async def _probe(self, client, inst: Instance) -> None:
         try:
-            inst.alive = (await client.get(f"{inst.url}/health", timeout=1.0)).status_code == 200
+            inst.alive = (await client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT)).status_code == 200
         except Exception:  # unreachable: not a candidate until it answers again
             inst.alive = False
 
     def candidates(self) -> list[Instance]:
         return sorted((i for i in self.instances.values() if i.alive), key=lambda i: i.inflight)
+
+    async def up(self, client) -> list[Instance]:
+        """The live instances, least loaded first. When none is known live, every instance is probed once more
+        before saying so: at start-up, or after one slow probe, an instance can be up that the last round missed."""
+        if not self.candidates():
+            await self.refresh(client)
+        return self.candidates()
 
     async def run(self, client) -> None:
         while True:
