@@ -17,7 +17,6 @@ blocking sockets.
 
 from __future__ import annotations
 
-import os
 import socket
 import ssl
 import threading
@@ -25,6 +24,7 @@ import threading
 from ... import wire
 from ...channel import Channel
 from ...memory import HOST
+from .. import parallel
 from ..base import Peer, Transport
 from .link import TcpLink
 from .movers import Direct, Staged
@@ -33,15 +33,12 @@ from .watchdog import Watchdog
 __all__ = ["TcpLink", "TcpTransport"]
 
 
-MAX_STREAMS = 4
-
-
 def default_streams() -> int:
-    """One data connection per core, up to ``MAX_STREAMS``: with the data path's system calls outside the GIL,
+    """One data connection per core, up to ``parallel.MAX``: with the data path's system calls outside the GIL,
     a second connection lifted a 70B-shaped 8 KiB-page transfer from 0.76-0.80x to 0.95-1.01x of one plain
     socket on 2 cores, and a fourth there lost a little (docs/performance.md). A transfer is split only into
     windows of at least ``window_min`` bytes, so a small one keeps to one connection."""
-    return max(1, min(MAX_STREAMS, os.cpu_count() or 1))
+    return parallel.per_core()
 
 
 class TcpTransport(Transport):

@@ -23,6 +23,7 @@ from ...handshake import data_hello
 from ...plan import Extents
 from ...shard import Selection
 from ...sockets import connect, mapped
+from .. import parallel
 from ..base import Link, Peer, ReadHost, WriteHost
 from . import windows
 from .pool import POLL, Connections
@@ -137,7 +138,8 @@ class TcpLink(Link["TcpTransport"]):
                 raise ProtocolError(f"unexpected {type(reply).__name__} on a data connection")
             self.conns.pushes.put(ch)
 
-        return windows.run_all(one, self._streams(ext))
+        parallel.run_all(one, self._streams(ext), "kvxfer-tcp-window")
+        return ext.total
 
     # ---- push: consumer side -------------------------------------------------------------------------------
     def serve_writes(self, ch: Channel) -> None:
@@ -206,7 +208,8 @@ class TcpLink(Link["TcpTransport"]):
                 else:
                     self.conns.drop(ch)
 
-        return windows.run_all(one, self._streams(ext))
+        parallel.run_all(one, self._streams(ext), "kvxfer-tcp-window")
+        return ext.total
 
     # ---- pull: producer side -------------------------------------------------------------------------------
     def serve_reads(self, ch: Channel) -> None:
