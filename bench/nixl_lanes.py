@@ -1,0 +1,111 @@
+"""Raw NIXL, no kvxfer: one thread posting a scattered READ against several lanes posting shares of it at once.
+
+    python bench/nixl_lanes.py [PIECE_BYTES] [LANES] [REPEATS]     # default 16384 bytes, 2 lanes, 5 repeats
+
+Two processes, 640 MiB in PIECE-sized pieces, both sides' orders permuted. One thread: one request of every
+descriptor on an agent without NIXL's own locking (what kvxfer did before lanes). Lanes: the descriptors cut into
+LANES runs, each one request posted from its own thread, on an agent with one UCX worker per lane and NIXL's
+strict locking (what ``transports/nixl.py`` does for small pieces). Milliseconds per READ, the first of each
+left out (connection set-up).
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from kvxfer.transports.nixl import nixl_api
+
+PIECE = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
+LANES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+N = (640 << 20) // PIECE
+
+
+def _agent(name: str, lanes: int):
+    api = nixl_api()
+    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if lanes > 1 else None
+    cfg = api.nixl_agent_config(
+        enable_prog_thread=False, num_threads=lanes if lanes > 1 else 0, backends=["UCX"], sync_mode=sync
+    )
+    return api.nixl_agent(name, cfg)
+
+
+def _registered(agent, nbytes: int, fill: int) -> np.ndarray:
+    buf = np.full(nbytes, fill, dtype=np.uint8)
+    agent.register_memory(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
+    return buf
+
+
+def _target(lanes: int, out, back) -> None:
+    agent = _agent(f"lanes-target-{lanes}", lanes)
+    buf = _registered(agent, N * PIECE, 1)
+    out.put((agent.get_agent_metadata(), buf.ctypes.data))
+    agent.add_remote_agent(back.get())
+    while back.empty():  # the passive side progresses, as kvxfer's poller does
+        agent.get_new_notifs()
+        time.sleep(0.0005)
+
+
+def _descs(base: int, order: np.ndarray) -> np.ndarray:
+    d = np.zeros((len(order), 3), dtype=np.uint64)
+    d[:, 0] = base + order.astype(np.uint64) * PIECE
+    d[:, 1] = PIECE
+    return d
+
+
+def run(lanes: int) -> list[float]:
+    out, back = mp.Queue(), mp.Queue()
+    proc = mp.Process(target=_target, args=(lanes, out, back))
+    proc.start()
+    meta, remote_base = out.get()
+    agent = _agent(f"lanes-reader-{lanes}", lanes)
+    buf = _registered(agent, N * PIECE, 0)
+    peer = agent.add_remote_agent(meta)
+    back.put(agent.get_agent_metadata())
+
+    def read(local: np.ndarray, remote: np.ndarray) -> None:
+        handle = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer, b""
+        )
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise SystemExit(f"READ ended {state}")
+        agent.release_xfer_handle(handle)
+
+    rng = np.random.default_rng(1)
+    times = []
+    for _ in range(REPEATS + 1):
+        local, remote = _descs(buf.ctypes.data, rng.permutation(N)), _descs(remote_base, rng.permutation(N))
+        cuts = np.linspace(0, N, lanes + 1).astype(int)
+        parts = [(local[a:b], remote[a:b]) for a, b in itertools.pairwise(cuts)]
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=read, args=p) for p in parts[1:]]
+        for th in threads:
+            th.start()
+        read(*parts[0])
+        for th in threads:
+            th.join()
+        times.append(time.perf_counter() - t0)
+    if not (buf == 1).all():
+        raise SystemExit("the READs left bytes unread")
+    back.put("stop")
+    proc.join()
+    return times[1:]
+
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn")
+    print(f"{N} permuted READs of {PIECE} B ({N * PIECE >> 20} MiB), {REPEATS} repeats")
+    for k in (1, LANES):
+        ms = [t * 1e3 for t in run(k)]
+        each = " ".join(f"{m:.0f}" for m in ms)
+        print(f"{k} lane{'s' if k > 1 else ' '}: median {statistics.median(ms):6.1f} ms   ({each})")
