@@ -317,13 +317,18 @@ class UcxLink(Link[UcxTransport]):
             raise
 
     # ---- push: producer side -----------------------------------------------------------------------------
+    def _ask(self, req: str, gen: int, ids, total: int, deadline: float, check) -> int:
+        """Send a transfer's header and wait for the serving side's READY; the transfer's sequence number."""
+        seq = next(self._seq)
+        head = Header(seq, req, gen, wire.ids_to_bytes(ids), total, deadline - time.monotonic())
+        self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
+        self._await_reply(seq, READY, check)
+        return seq
+
     def write(self, req, gen, src_ids, dst_ids, deadline, cancel, part=None, chunks=None) -> int:
         ext = self._extents(src_ids, part, chunks)
         check = self._checker(deadline, cancel)
-        seq = next(self._seq)
-        head = Header(seq, req, gen, wire.ids_to_bytes(dst_ids), ext.total, deadline - time.monotonic())
-        self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
-        self._await_reply(seq, READY, check)
+        seq = self._ask(req, gen, dst_ids, ext.total, deadline, check)
         self._send_stream(self.t.gather(ext), seq, check)
         self._await_reply(seq, DONE, check)
         return ext.total
@@ -341,14 +346,21 @@ class UcxLink(Link[UcxTransport]):
             handle = self._serve_pull if self.peer.is_producer else self._serve_push
             threading.Thread(target=handle, args=(head,), daemon=True, name="kvxfer-ucx-move").start()
 
-    def _serve_push(self, head: Header) -> None:
-        host = cast(WriteHost, self.t.host)
+    def _begin(self, head: Header, begin) -> tuple[np.ndarray, Any] | None:
+        """The header's block ids and the host's ticket for them (``begin``: its begin_write / begin_read);
+        None once a refusal answered the header."""
         try:
             ids = wire.ids_from_bytes(head.ids, self.t.layout.num_blocks)
-            ticket = host.begin_write(self.peer.session, head.req, head.gen, ids)
+            return ids, begin(self.peer.session, head.req, head.gen, ids)
         except KVXferError as e:
             self._refusal(head.seq, READY, e)
+            return None
+
+    def _serve_push(self, head: Header) -> None:
+        host = cast(WriteHost, self.t.host)
+        if (begun := self._begin(head, host.begin_write)) is None:
             return
+        ids, ticket = begun
         answer = READY  # which reply the producer waits for: a failure before the stream answers the header
         try:
             ext = self._extents(ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None))
@@ -372,12 +384,9 @@ class UcxLink(Link[UcxTransport]):
 
     def _serve_pull(self, head: Header) -> None:
         host = cast(ReadHost, self.t.host)
-        try:
-            ids = wire.ids_from_bytes(head.ids, self.t.layout.num_blocks)
-            ticket = host.begin_read(self.peer.session, head.req, head.gen, ids)
-        except KVXferError as e:
-            self._refusal(head.seq, READY, e)
+        if (begun := self._begin(head, host.begin_read)) is None:
             return
+        ids, ticket = begun
         try:
             ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
             if ext.total != head.total:
@@ -406,10 +415,7 @@ class UcxLink(Link[UcxTransport]):
     def read(self, req, gen, src_ids, dst_ids, deadline, cancel, chunks=None) -> int:
         ext = self._extents(dst_ids, chunks=chunks)
         check = self._checker(deadline, cancel)
-        seq = next(self._seq)
-        head = Header(seq, req, gen, wire.ids_to_bytes(src_ids), ext.total, deadline - time.monotonic())
-        self._wait([self._send(_frame(head), self._tag(0, HEADER))], check)
-        self._await_reply(seq, READY, check)
+        seq = self._ask(req, gen, src_ids, ext.total, deadline, check)
         self._recv_stream(ext, seq, check)
         return ext.total
 
