@@ -10,6 +10,8 @@ SENTINEL = 0xAB
 # Suite-wide consumer settings: short quarantine so one-sided transports free failed blocks quickly.
 CONSUMER_OPTIONS = {"quarantine": 0.2, "deadline": 20.0}
 DEFAULT_SPEC = Spec()  # immutable, so one instance serves every default
+# Every transport's parallel path forced on small transfers: TCP windows, NIXL lanes (each ignores the other's)
+PARALLEL = {"streams": 3, "window_min": 4096, "lanes": 3, "lane_min": 4096}
 
 
 class LocalConsumer:

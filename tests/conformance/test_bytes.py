@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from .conftest import SENTINEL, pick, source_views
+from .conftest import PARALLEL, SENTINEL, pick, source_views
 from .kvspec import KINDS, Spec, block_bytes, untouched
 
 
@@ -66,10 +66,6 @@ def test_thousands_of_blocks(consumers, producers):
         arrival = consumer.get(20)
         _check(consumer, spec, 9, ids, arrival)
         consumer.release(arrival.req)
-
-
-# Every transport's parallel path forced on small transfers: TCP windows, NIXL lanes (each ignores the other's)
-PARALLEL = {"streams": 3, "window_min": 4096, "lanes": 3, "lane_min": 4096}
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

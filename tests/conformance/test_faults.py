@@ -18,6 +18,7 @@ from kvxfer import (
 )
 from procs import TRANSPORT_ONLY
 
+from .conftest import PARALLEL
 from .kvspec import Spec
 from .peers import PeerError as RemoteError
 from .peers import wait_for
@@ -44,6 +45,39 @@ def test_producer_killed_mid_transfer(consumers, producers):
     wait_for(lambda: _settled(consumer, 256), 10)
     assert consumer.arrivals.empty()
     assert consumer.stats()["failed"] == 1
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_producer_killed_mid_parallel_transfer(consumers, producers, mode):
+    """Scattered blocks moving as parallel pieces (TCP windows, NIXL lanes) when the producer dies: every
+    piece ends, the blocks go back, nothing is handed off."""
+    consumer = consumers(BIG, transport_options=PARALLEL)
+    producer = producers(BIG, transport_options=PARALLEL)
+    ids = np.random.default_rng(5).permutation(256)[:200]
+    getattr(producer, mode)(consumer.address, "doomed", ids, wait=False)
+    wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
+    producer.kill()
+    wait_for(lambda: _settled(consumer, 256), 10)
+    assert consumer.arrivals.empty()
+    assert consumer.stats()["failed"] == 1
+
+
+def test_consumer_killed_mid_parallel_push(remote_consumers, transport):
+    consumer = remote_consumers(BIG, transport_options=PARALLEL)
+    producer, _ = _local_producer(BIG, transport, deadline=20, transport_options=PARALLEL)
+    try:
+        t = producer.push(consumer.address, "orphan", np.random.default_rng(6).permutation(256))
+        wait_for(lambda: t.status in (Status.MOVING, Status.COMMITTING) or t.done(), 10, 0.001)
+        consumer.stop()
+        consumer.kill()
+        start = time.monotonic()
+        with pytest.raises((PeerError, DeadlineError, TransportError)):
+            t.wait()
+        assert time.monotonic() - start < 20
+        assert t.status is Status.FAILED
+        assert not any(s.transfers for s in producer._sessions.values())
+    finally:
+        producer.close()
 
 
 def test_consumer_killed_mid_transfer(remote_consumers, transport):
