@@ -88,6 +88,33 @@ def _unframe(buf: np.ndarray, decoder):
         raise ProtocolError(f"malformed UCX control message: {e}") from None
 
 
+class _Bounces:
+    """Bounce buffers kept between transfers: a fresh one costs a page fault per 4 KiB as the bytes first land
+    (160-290 ms for 512 MiB here). A buffer belongs to one transfer at a time and comes back only when every
+    request on it ended well; one a failed request may still fill is never handed out again. At most ``keep``
+    bytes wait here (the largest buffers are kept)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.free: list[np.ndarray] = []  # by size, smallest first
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes: the smallest kept one that fits, else a new one."""
+        with self.lock:
+            for i, buf in enumerate(self.free):
+                if len(buf) >= n:
+                    return self.free.pop(i)
+        return np.empty(n, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self.lock:
+            self.free.append(buf)
+            self.free.sort(key=len)
+            while self.free and sum(len(b) for b in self.free) > self.keep:
+                self.free.pop(0)
+
+
 class _Op(NamedTuple):
     """A posted UCX request and the buffer it reads or fills: UCX holds only a pointer, so the buffer must live
     until the request ended (a send posted before the endpoint's wire-up finished goes out later)."""
@@ -125,12 +152,13 @@ class UcxTransport(Transport):
     def usable() -> bool:
         return importlib.util.find_spec("ucxx") is not None
 
-    def __init__(self, layout, host, *, window: int = 8 << 20, **_):
+    def __init__(self, layout, host, *, window: int = 8 << 20, bounce_keep: int = 1 << 30, **_):
         super().__init__(layout, host)
         if any(r.device != HOST for r in layout.regions):
             raise TransportError("the ucx transport moves host memory only")
         self.window = max(1, int(window))
         self.copies = HostEngine(layout.regions)
+        self.bounces = _Bounces(max(0, int(bounce_keep)))
         ucx = ucxx()
         self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.worker = ucx.UCXWorker(self.context)
@@ -185,10 +213,12 @@ class UcxTransport(Transport):
         self.unattended.clear()
 
     # ---- the stream: gather into and scatter from a bounce buffer (the staging engine's host copies) ------
-    def gather(self, ext: Extents) -> np.ndarray:
-        out = np.empty(ext.total, dtype=np.uint8)
+    def gather(self, ext: Extents) -> tuple[np.ndarray, np.ndarray]:
+        """``ext``'s bytes in a bounce buffer: (the buffer, to give back once sent; its first ``ext.total``)."""
+        buf = self.bounces.take(ext.total)
+        out = buf[: ext.total]
         self.copies.gather(ext, Slot(out.data, ext.total, {"array": out}))
-        return out
+        return buf, out
 
     def scatter(self, ext: Extents, data: np.ndarray) -> None:
         self.copies.scatter(Slot(data.data, len(data), {"array": data}), ext)
@@ -303,7 +333,8 @@ class UcxLink(Link[UcxTransport]):
 
     def _recv_stream(self, ext: Extents, seq: int, check) -> None:
         """Receive the stream into a bounce buffer, scattering each window into ``ext`` once it arrived."""
-        buf = np.empty(ext.total, dtype=np.uint8)
+        whole = self.t.bounces.take(ext.total)
+        buf = whole[: ext.total]
         tag = self._tag(seq, DATA)
         spans, ops = self.t.windows(ext.total), []
         try:
@@ -315,6 +346,7 @@ class UcxLink(Link[UcxTransport]):
         except BaseException:
             self._leave(ops)
             raise
+        self.t.bounces.give(whole)
 
     # ---- push: producer side -----------------------------------------------------------------------------
     def _ask(self, req: str, gen: int, ids, total: int, deadline: float, check) -> int:
@@ -329,7 +361,9 @@ class UcxLink(Link[UcxTransport]):
         ext = self._extents(src_ids, part, chunks)
         check = self._checker(deadline, cancel)
         seq = self._ask(req, gen, dst_ids, ext.total, deadline, check)
-        self._send_stream(self.t.gather(ext), seq, check)
+        buf, data = self.t.gather(ext)
+        self._send_stream(data, seq, check)
+        self.t.bounces.give(buf)
         self._await_reply(seq, DONE, check)
         return ext.total
 
@@ -395,7 +429,7 @@ class UcxLink(Link[UcxTransport]):
             host.end_read(ticket, 0, e)
             self._refusal(head.seq, READY, e)
             return
-        data = self.t.gather(ext)
+        buf, data = self.t.gather(ext)
         self._reply(head.seq, READY, Reply(ok=True))
         until = time.monotonic() + max(0.0, head.timeout)
 
@@ -409,6 +443,7 @@ class UcxLink(Link[UcxTransport]):
         except KVXferError as e:
             host.end_read(ticket, 0, e)
             return
+        self.t.bounces.give(buf)
         host.end_read(ticket, ext.total, None)
 
     # ---- pull: consumer side -----------------------------------------------------------------------------
