@@ -36,10 +36,20 @@ def _local_producer(spec, transport, **options):
     return Producer(spec.layout(tensors, kw), transport=transport, **{**TRANSPORT_ONLY, **options}), raw
 
 
-def test_producer_killed_mid_transfer(consumers, producers):
-    consumer = consumers(BIG)
-    producer = producers(BIG)
-    producer.push(consumer.address, "doomed", np.arange(200), wait=False)
+# A transfer as one piece (sequential blocks) or as parallel pieces (scattered blocks, TCP windows and NIXL lanes
+# forced on): when a peer dies every piece ends, the blocks go back, nothing is handed off.
+PIECES = {
+    "one": ({}, lambda n: np.arange(n)),
+    "parallel": (PARALLEL, lambda n: np.random.default_rng(5).permutation(256)[:n]),
+}
+
+
+@pytest.mark.parametrize("mode,pieces", [("push", "one"), ("push", "parallel"), ("pull", "parallel")])
+def test_producer_killed_mid_transfer(consumers, producers, mode, pieces):
+    options, ids = PIECES[pieces]
+    consumer = consumers(BIG, transport_options=options)
+    producer = producers(BIG, transport_options=options)
+    getattr(producer, mode)(consumer.address, "doomed", ids(200), wait=False)
     wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
     producer.kill()
     wait_for(lambda: _settled(consumer, 256), 10)
@@ -47,44 +57,13 @@ def test_producer_killed_mid_transfer(consumers, producers):
     assert consumer.stats()["failed"] == 1
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_producer_killed_mid_parallel_transfer(consumers, producers, mode):
-    """Scattered blocks moving as parallel pieces (TCP windows, NIXL lanes) when the producer dies: every
-    piece ends, the blocks go back, nothing is handed off."""
-    consumer = consumers(BIG, transport_options=PARALLEL)
-    producer = producers(BIG, transport_options=PARALLEL)
-    ids = np.random.default_rng(5).permutation(256)[:200]
-    getattr(producer, mode)(consumer.address, "doomed", ids, wait=False)
-    wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
-    producer.kill()
-    wait_for(lambda: _settled(consumer, 256), 10)
-    assert consumer.arrivals.empty()
-    assert consumer.stats()["failed"] == 1
-
-
-def test_consumer_killed_mid_parallel_push(remote_consumers, transport):
-    consumer = remote_consumers(BIG, transport_options=PARALLEL)
-    producer, _ = _local_producer(BIG, transport, deadline=20, transport_options=PARALLEL)
+@pytest.mark.parametrize("pieces", ["one", "parallel"])
+def test_consumer_killed_mid_transfer(remote_consumers, transport, pieces):
+    options, ids = PIECES[pieces]
+    consumer = remote_consumers(BIG, transport_options=options)
+    producer, _ = _local_producer(BIG, transport, deadline=20, transport_options=options)
     try:
-        t = producer.push(consumer.address, "orphan", np.random.default_rng(6).permutation(256))
-        wait_for(lambda: t.status in (Status.MOVING, Status.COMMITTING) or t.done(), 10, 0.001)
-        consumer.stop()
-        consumer.kill()
-        start = time.monotonic()
-        with pytest.raises((PeerError, DeadlineError, TransportError)):
-            t.wait()
-        assert time.monotonic() - start < 20
-        assert t.status is Status.FAILED
-        assert not any(s.transfers for s in producer._sessions.values())
-    finally:
-        producer.close()
-
-
-def test_consumer_killed_mid_transfer(remote_consumers, transport):
-    consumer = remote_consumers(BIG)
-    producer, _ = _local_producer(BIG, transport, deadline=20)
-    try:
-        t = producer.push(consumer.address, "orphan", np.arange(256))
+        t = producer.push(consumer.address, "orphan", ids(256))
         wait_for(lambda: t.status in (Status.MOVING, Status.COMMITTING) or t.done(), 10, 0.001)
         consumer.stop()
         consumer.kill()
