@@ -15,12 +15,13 @@ import itertools
 import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-from kvxfer.transports.nixl import nixl_api
+from kvxfer.bench.baselines import RawNixl
+from kvxfer.transports import parallel
 
 PIECE = int(sys.argv[1]) if len(sys.argv) > 1 else 16384
 LANES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
@@ -28,28 +29,23 @@ REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
 N = (640 << 20) // PIECE
 
 
-def _agent(name: str, lanes: int):
-    api = nixl_api()
-    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if lanes > 1 else None
-    cfg = api.nixl_agent_config(
-        enable_prog_thread=False, num_threads=lanes if lanes > 1 else 0, backends=["UCX"], sync_mode=sync
-    )
-    return api.nixl_agent(name, cfg)
+class _Region(NamedTuple):
+    ptr: int
+    nbytes: int
 
 
-def _registered(agent, nbytes: int, fill: int) -> np.ndarray:
-    buf = np.full(nbytes, fill, dtype=np.uint8)
-    agent.register_memory(np.array([[buf.ctypes.data, buf.nbytes, 0]], dtype=np.uint64), "DRAM")
-    return buf
+def _agent(name: str, lanes: int, fill: int) -> tuple[RawNixl, np.ndarray]:
+    """An agent as kvxfer sets it up for ``lanes``, over one registered buffer filled with ``fill``."""
+    buf = np.full(N * PIECE, fill, dtype=np.uint8)
+    return RawNixl(name, [_Region(buf.ctypes.data, buf.nbytes)], lanes=lanes), buf
 
 
 def _target(lanes: int, out, back) -> None:
-    agent = _agent(f"lanes-target-{lanes}", lanes)
-    buf = _registered(agent, N * PIECE, 1)
-    out.put((agent.get_agent_metadata(), buf.ctypes.data))
-    agent.add_remote_agent(back.get())
+    raw, buf = _agent(f"lanes-target-{lanes}", lanes, 1)
+    out.put((raw.metadata(), buf.ctypes.data))
+    raw.add_peer(back.get())
     while back.empty():  # the passive side progresses, as kvxfer's poller does
-        agent.get_new_notifs()
+        raw.poll()
         time.sleep(0.0005)
 
 
@@ -65,21 +61,12 @@ def run(lanes: int) -> list[float]:
     proc = mp.Process(target=_target, args=(lanes, out, back))
     proc.start()
     meta, remote_base = out.get()
-    agent = _agent(f"lanes-reader-{lanes}", lanes)
-    buf = _registered(agent, N * PIECE, 0)
-    peer = agent.add_remote_agent(meta)
-    back.put(agent.get_agent_metadata())
+    raw, buf = _agent(f"lanes-reader-{lanes}", lanes, 0)
+    peer = raw.add_peer(meta)
+    back.put(raw.metadata())
 
     def read(local: np.ndarray, remote: np.ndarray) -> None:
-        handle = agent.initialize_xfer(
-            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer, b""
-        )
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise SystemExit(f"READ ended {state}")
-        agent.release_xfer_handle(handle)
+        raw.xfer("READ", local, remote, peer)
 
     rng = np.random.default_rng(1)
     times = []
@@ -88,12 +75,7 @@ def run(lanes: int) -> list[float]:
         cuts = np.linspace(0, N, lanes + 1).astype(int)
         parts = [(local[a:b], remote[a:b]) for a, b in itertools.pairwise(cuts)]
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=read, args=p) for p in parts[1:]]
-        for th in threads:
-            th.start()
-        read(*parts[0])
-        for th in threads:
-            th.join()
+        parallel.run_all(read, parts, "nixl-lanes-bench")  # what transports/nixl.py runs its lanes with
         times.append(time.perf_counter() - t0)
     if not (buf == 1).all():
         raise SystemExit("the READs left bytes unread")
