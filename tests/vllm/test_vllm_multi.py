@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_consumer import CacheSpec, block_stream
+from vllm_consumer import CacheSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -53,11 +53,9 @@ def test_multiconnector_beside_nixl_one_batch(vh, nixl, engines, consumers):
 
     arrivals = {a["req"]: a for a in (c.get(10) for _ in range(3))}
     assert sorted(arrivals) == ["both", "kvx", "kvx-chunked"]
-    layout = e.worker.kvxfer.producer.layout
-    orders = {o.req_id: o for o in e.worker.orders}
     for rid, a in arrivals.items():
         assert vh.expected_tokens_ok(a, e.prompts[rid], 32) == reqs[rid][0]
-        assert a["blocks"] == [block_stream(layout, b) for b in orders[rid].block_ids]
+        assert a["blocks"] == e.worker.shipped[rid]
     # every held request was released exactly once, after every child that held it reported it
     assert set(e.finished_sending) == {"kvx", "kvx-chunked", "pd", "both"}
     e.assert_no_leaks()

@@ -33,6 +33,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvxfer.integrations.vllm import KVXferConnector, KVXferConnectorMetadata, ShipOrder
 from vllm import SamplingParams
+from vllm_consumer import block_stream
 
 MODEL_DIR = str(Path(__file__).parent / "tiny-llama")  # config.json only: a 2-layer Llama, no weights, no hub
 MODULE = "kvxfer.integrations.vllm"
@@ -187,6 +188,9 @@ class Worker:
         self.block_tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.orders: list[ShipOrder] = []
+        # req -> its shipped blocks' bytes after the forward pass of the step that ordered them (held since, so
+        # what the push sends): once it ends vLLM frees them, and a partial last block (no hash) goes out first
+        self.shipped: dict[str, list[bytes]] = {}
         self.fetch_orders: list = []
         self.tables_seen: dict[str, list[int]] = {}  # req -> its group-0 block table (kept after finish)
         self.group_tables_seen: dict[str, list[list[int]]] = {}  # req -> its table in every group
@@ -263,6 +267,9 @@ class Worker:
         else:
             for li, name in enumerate(LAYERS):
                 self._attention(li, name, so, starts)
+
+        for o in ours.ship if ours is not None else ():  # ordered to ship once this step's forward wrote them
+            self.shipped[o.req_id] = [block_stream(self.kvxfer.producer.layout, b) for b in o.block_ids]
 
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
