@@ -198,7 +198,7 @@ class UcxTransport(Transport):
             link.close()
 
     def close(self) -> None:
-        """Close every link, then cancel what is still posted on the worker before its buffers go."""
+        """Close every link, then cancel what is still posted on the worker."""
         with self._lock:
             if self.closed:
                 return
@@ -210,7 +210,10 @@ class UcxTransport(Transport):
             self.worker.stop_progress_thread()
         with contextlib.suppress(Exception):
             self.worker.cancel_inflight_requests(period=0, max_attempts=1)
-        self.unattended.clear()
+        # a request UCX has not reported ended may still be filled (a peer's rendezvous write): its buffer lives
+        # as long as this transport, and with it its worker
+        with self.calls:
+            self.unattended = [op for op in self.unattended if not op.req.completed]
 
     # ---- the stream: gather into and scatter from a bounce buffer (the staging engine's host copies) ------
     def gather(self, ext: Extents) -> tuple[np.ndarray, np.ndarray]:
