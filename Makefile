@@ -2,9 +2,11 @@ PYTHON ?= python3
 
 .PHONY: test lint bench install-test-deps
 
-# The README's test command: install what the tests need, check lint and types, then run the tests.
+# The README's test command: install what the tests need, check lint and types, then run the tests: those over
+# ucx in a process of their own (ucxx's UCX and NIXL's do not share a process; docs/transports.md).
 test: install-test-deps lint
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -m "not ucx"
+	$(PYTHON) -m pytest -m ucx
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -25,13 +25,17 @@ def transport(request):
     return name
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the mark given here
 def pytest_collection_modifyitems(items):
-    """Tests over ucx run after every other test: ucxx's UCX, once loaded in this process, slows every NIXL agent
-    created after it (docs/transports.md), and the NIXL and vLLM tests here make theirs in this process."""
+    """Tests over ucx carry the ``ucx`` mark and run after every other test. ucxx bundles a UCX of its own, and
+    the NIXL and vLLM tests here load NIXL's: once ucxx's is in a process it slows every NIXL agent created after
+    it (docs/transports.md), and a process should hold one of the two. ``make test`` runs ``-m "not ucx"`` and
+    ``-m ucx`` as two processes; a plain ``pytest`` keeps them apart in time at least."""
     late = [
         item for item in items if getattr(item, "callspec", None) and item.callspec.params.get("transport") == "ucx"
     ]
+    for item in late:
+        item.add_marker(pytest.mark.ucx)
     if late:
         keep = [item for item in items if item not in set(late)]
         items[:] = keep + late
