@@ -120,11 +120,11 @@ def test_program_using_the_nixl_transport_exits_zero(nixl):
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(360)  # a whole test run in a child: vLLM's import and engine set-up take most of a minute
+@pytest.mark.timeout(360)  # a test run in a child: vLLM's import and engine set-up take most of a minute
 def test_test_run_holding_vllm_nixl_agents_exits_zero(nixl):
+    """One test that leaves two engines' NixlConnector agents (prefill and decode) in the run's process."""
     _require(importlib.util.find_spec("vllm") is not None, "vLLM is not installed")
-    proc = _run(
-        [sys.executable, "-m", "pytest", "tests/vllm/test_vllm_multi.py", "-q", "-p", "no:cacheprovider"], timeout=300
-    )
+    test = "tests/vllm/test_vllm_multi.py::test_pd_hold_and_fetch_under_multiconnector_beside_nixl"
+    proc = _run([sys.executable, "-m", "pytest", test, "-q", "-p", "no:cacheprovider"], timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     assert re.search(r"\b[1-9]\d* passed\b", proc.stdout) and " failed" not in proc.stdout, proc.stdout[-2000:]
