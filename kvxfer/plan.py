@@ -330,19 +330,11 @@ def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     size = int(nbytes[0])
     if n == 1 or any(int(s.stride[0]) != size for s, _ in sides) or not _merges_likely(sides):
         return _unmerged(sides, _all_offsets(sides), nbytes, n)
-    brk = np.empty(n, dtype=bool)
-    brk[0] = True
-    scratch = np.empty(n - 1, dtype=np.int64)
-    hits = np.empty(n - 1, dtype=bool)
-    for i, (_, ids) in enumerate(sides):
-        np.add(ids[:-1], 1, out=scratch)
-        np.not_equal(ids[1:], scratch, out=brk[1:] if i == 0 else hits)
-        if i:
-            brk[1:] |= hits
-    runs = int(np.count_nonzero(brk))
+    starts = np.empty(n, dtype=np.int64)  # pages only as far as written: one entry for a sequential request
+    runs = _kvx.run_starts(sides[0][1], sides[-1][1], starts)
     if runs > n * (1 - RARE_MERGES):
         return _unmerged(sides, _all_offsets(sides), nbytes, n)
-    starts = np.flatnonzero(brk)
+    starts = starts[:runs]
     out = []
     for s, ids in sides:
         out += [np.broadcast_to(s.region[0], runs), _offsets(s, ids[starts])]

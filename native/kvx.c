@@ -4,7 +4,7 @@
  *   registered host regions, IOV_MAX pieces per sendmsg / recvmsg, with the GIL released and no Python object per
  *   piece (building one memoryview per 8 KiB page cost as much as moving it).
  * - check_ids: range and duplicate check of a block-id vector in one pass over a bitmap; affine: a plan's
- *   offsets (ids * stride + offset) in one pass.
+ *   offsets (ids * stride + offset) in one pass; run_starts: where runs of consecutive ids begin, in one pass.
  *
  * Every extent is checked against its region's bounds before a byte moves: a bad plan is a ValueError, never a
  * write outside registered memory.
@@ -270,6 +270,42 @@ static PyObject *affine(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* run_starts(a, b, out) -> k: out[:k] = the positions i where a run of consecutive ids begins on either side
+ * (i == 0, or a[i] != a[i-1] + 1, or b[i] != b[i-1] + 1), one pass and no temporaries (numpy needs six). */
+static PyObject *run_starts(PyObject *self, PyObject *args) {
+    PyObject *pa, *pb, *dst;
+    Vec a, b;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "OOO", &pa, &pb, &dst) || vec_get(pa, &a, "a") < 0)
+        return NULL;
+    if (vec_get(pb, &b, "b") < 0) {
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&b.view);
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    Py_ssize_t n = a.len, k = 0;
+    if (b.len != n || out.itemsize != 8 || out.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "a, b and out must have one 8-byte integer per id each");
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&b.view);
+        PyBuffer_Release(&a.view);
+        return NULL;
+    }
+    int64_t *o = (int64_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+        if (i == 0 || vec_at(&a, i) != vec_at(&a, i - 1) + 1 || vec_at(&b, i) != vec_at(&b, i - 1) + 1)
+            o[k++] = i;
+    }
+    Py_END_ALLOW_THREADS PyBuffer_Release(&out);
+    PyBuffer_Release(&b.view);
+    PyBuffer_Release(&a.view);
+    return PyLong_FromSsize_t(k);
+}
+
 static PyMethodDef methods[] = {
     {"sendv", sendv, METH_VARARGS,
      "sendv(fd, bases, sizes, region, offset, nbytes, timeout_ms) -> bytes sent: gather-send every extent"},
@@ -277,6 +313,7 @@ static PyMethodDef methods[] = {
      "recvv(fd, bases, sizes, region, offset, nbytes, timeout_ms) -> bytes received: scatter-receive every extent"},
     {"affine", affine, METH_VARARGS, "affine(ids, stride, offset, out): out = ids * stride + offset"},
     {"check_ids", check_ids, METH_VARARGS, "check_ids(ids, num_blocks) -> 0 fine, 1 out of range, 2 repeated"},
+    {"run_starts", run_starts, METH_VARARGS, "run_starts(a, b, out) -> k: out[:k] = where runs of consecutive ids begin"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -213,3 +213,27 @@ def test_a_repeat_anywhere_in_a_million_ids_is_found():
         bad[at] = bad[rng.integers(0, at)]
         with pytest.raises(BlockError, match="duplicates"):
             check_ids(bad, 1_000_000)
+
+
+def test_run_starts_matches_numpy_on_runs_of_every_length():
+    rng = np.random.default_rng(6)
+    starts, lengths = rng.integers(0, 10**6, 300), rng.integers(1, 40, 300)
+    a = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+    b = a.copy()
+    b[rng.integers(0, len(b), 50)] += 7  # breaks on one side only
+    for x, y in ((a, b), (b, a), (a, a), (a[::-1], a[::-1])):  # a reversed view: strided, no run at all
+        want = np.flatnonzero(np.concatenate([[True], (np.diff(x) != 1) | (np.diff(y) != 1)]))
+        out = np.empty(len(x), np.int64)
+        k = _kvx.run_starts(x, y, out)
+        assert out[:k].tolist() == want.tolist()
+    out = np.empty(5, np.int64)
+    assert _kvx.run_starts(np.arange(5), np.arange(10, 15), out) == 1 and out[0] == 0  # one run: one start
+
+
+def test_run_starts_refuses_vectors_of_different_lengths():
+    with pytest.raises(ValueError, match="one 8-byte integer per id"):
+        _kvx.run_starts(np.arange(4), np.arange(5), np.empty(4, np.int64))
+    with pytest.raises(ValueError, match="one 8-byte integer per id"):
+        _kvx.run_starts(np.arange(4), np.arange(4), np.empty(3, np.int64))
+    with pytest.raises(TypeError):
+        _kvx.run_starts(np.arange(4, dtype=np.int32), np.arange(4), np.empty(4, np.int64))
