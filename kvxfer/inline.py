@@ -7,52 +7,31 @@ anyway); larger requests move zero-copy over the transport.
 
 from __future__ import annotations
 
-import numpy as np
-
 from . import wire
 from .layout import KVLayout
-from .memory import HOST, host_buffer
+from .memory import HOST
 from .plan import Extents
 from .staging.engine import HostEngine, Slot
 
 LIMIT = wire.INLINE_MAX  # the most bytes a message may carry (the wire's bound; a producer's default is lower)
 FRAME = LIMIT + (64 << 10)  # a control frame carrying that many, with the rest of its message
 DEFAULT = 64 << 10  # a producer inlines requests of at most this many bytes unless told otherwise
-FEW = 64  # up to this many extents, one slice copy each beats the engine's vectorised row gather
 
 
 class Inline:
-    """Packs and unpacks one layout's extents to and from message bytes."""
+    """Packs and unpacks one layout's extents to and from message bytes (the host engine's native copies)."""
 
     def __init__(self, layout: KVLayout):
         self.engine = HostEngine(layout.regions)
-        self.bufs = [host_buffer(r) for r in layout.regions]
 
     @staticmethod
     def usable(layout: KVLayout) -> bool:
         return layout.device == HOST
 
-    def _pieces(self, ext: Extents):
-        at = 0
-        for r, o, n in zip(ext.region.tolist(), ext.offset.tolist(), ext.nbytes.tolist(), strict=True):
-            yield self.bufs[r][o : o + n], at, at + n
-            at += n
-
     def pack(self, ext: Extents) -> bytes:
-        if len(ext) <= FEW:
-            out = bytearray(ext.total)
-            for piece, lo, hi in self._pieces(ext):
-                out[lo:hi] = piece
-            return bytes(out)
         slot = self.engine.slot(ext.total)
-        self.engine.gather(ext, slot).wait()
+        self.engine.gather(ext, slot)
         return bytes(slot.view)
 
     def unpack(self, ext: Extents, data: bytes) -> None:
-        if len(ext) <= FEW:
-            view = memoryview(data)
-            for piece, lo, hi in self._pieces(ext):
-                piece[:] = view[lo:hi]
-            return
-        arr = np.frombuffer(data, dtype=np.uint8)
-        self.engine.scatter(Slot(memoryview(data), len(data), {"array": arr}), ext).wait()
+        self.engine.scatter(Slot(memoryview(data), len(data)), ext)

@@ -3,6 +3,8 @@
  * - sendv / recvv: scatter/gather socket I/O straight from a plan's extent arrays (region, offset, nbytes) into
  *   registered host regions, IOV_MAX pieces per sendmsg / recvmsg, with the GIL released and no Python object per
  *   piece (building one memoryview per 8 KiB page cost as much as moving it).
+ * - gather / scatter: the same extents to and from one contiguous buffer (a bounce or staging buffer), one memcpy
+ *   per piece on several threads (numpy's indexed copy went through a temporary: two copies).
  * - check_ids: range and duplicate check of a block-id vector in one pass over a bitmap; affine: a plan's
  *   offsets (ids * stride + offset) in one pass; run_starts: where runs of consecutive ids begin, in one pass.
  *
@@ -15,6 +17,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,14 +66,11 @@ static void ext_release(Extents *e) {
         PyBuffer_Release(&all[i]->view);
 }
 
-/* Parse and bounds-check (bases, sizes, region, offset, nbytes); the total in *total. */
-static int ext_get(PyObject *args, int *fd, Extents *e, int *timeout_ms, uint64_t *total) {
-    PyObject *o[5];
+/* Bounds-check the vectors (bases, sizes, region, offset, nbytes) in o; the total in *total. */
+static int ext_check(PyObject *o[5], Extents *e, uint64_t *total) {
     const char *names[] = {"bases", "sizes", "region", "offset", "nbytes"};
     Vec *all[] = {&e->bases, &e->sizes, &e->region, &e->offset, &e->nbytes};
     e->nvec = 0;
-    if (!PyArg_ParseTuple(args, "iOOOOOi", fd, &o[0], &o[1], &o[2], &o[3], &o[4], timeout_ms))
-        return -1;
     for (int i = 0; i < 5; i++) {
         if (vec_get(o[i], all[i], names[i]) < 0) {
             ext_release(e);
@@ -96,6 +96,15 @@ static int ext_get(PyObject *args, int *fd, Extents *e, int *timeout_ms, uint64_
     }
     *total = sum;
     return 0;
+}
+
+/* Parse fd, the five extent vectors and a timeout, bounds-checked; the total in *total. */
+static int ext_get(PyObject *args, int *fd, Extents *e, int *timeout_ms, uint64_t *total) {
+    PyObject *o[5];
+    e->nvec = 0;
+    if (!PyArg_ParseTuple(args, "iOOOOOi", fd, &o[0], &o[1], &o[2], &o[3], &o[4], timeout_ms))
+        return -1;
+    return ext_check(o, e, total);
 }
 
 /* Move every byte of the extents (send when sending, else receive). Returns 0, or an errno; -1: peer closed. */
@@ -180,6 +189,108 @@ static PyObject *io(PyObject *args, int sending) {
 
 static PyObject *sendv(PyObject *self, PyObject *args) { return io(args, 1); }
 static PyObject *recvv(PyObject *self, PyObject *args) { return io(args, 0); }
+
+/* ---- gather / scatter between extents and one contiguous buffer ----------------------------------------------- */
+
+#define COPY_THREADS 8
+#define COPY_MIN (4 << 20) /* bytes each copying thread takes at least */
+
+typedef struct {
+    const Extents *e;
+    const uint64_t *pre; /* pre[i]: the stream position of extent i; pre[n]: the total */
+    char *buf;
+    int gathering;
+    uint64_t lo, hi; /* this thread's bytes of the stream */
+} Part;
+
+static void *copy_part(void *arg) {
+    const Part *p = arg;
+    Py_ssize_t a = 0, b = p->e->region.len;
+    while (a < b) { /* the first extent ending after lo */
+        Py_ssize_t mid = a + (b - a) / 2;
+        if (p->pre[mid + 1] <= p->lo)
+            a = mid + 1;
+        else
+            b = mid;
+    }
+    for (Py_ssize_t i = a; i < p->e->region.len && p->pre[i] < p->hi; i++) {
+        uint64_t s = p->pre[i] > p->lo ? p->pre[i] : p->lo, t = p->pre[i + 1] < p->hi ? p->pre[i + 1] : p->hi;
+        if (t <= s)
+            continue;
+        char *mem = (char *)(uintptr_t)vec_at(&p->e->bases, vec_at(&p->e->region, i)) + vec_at(&p->e->offset, i) +
+                    (s - p->pre[i]);
+        if (p->gathering)
+            memcpy(p->buf + s, mem, t - s);
+        else
+            memcpy(mem, p->buf + s, t - s);
+    }
+    return NULL;
+}
+
+/* Copy every byte of the extents, in stream order, into buf (gathering) or out of it, on up to `threads` threads
+ * cutting the stream into equal byte ranges. 0, or -1 out of memory. */
+static int copy_all(const Extents *e, char *buf, int gathering, uint64_t total, int threads) {
+    Py_ssize_t n = e->region.len;
+    uint64_t *pre = malloc(((size_t)n + 1) * 8);
+    if (pre == NULL)
+        return -1;
+    pre[0] = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        pre[i + 1] = pre[i] + (uint64_t)vec_at(&e->nbytes, i);
+    uint64_t most = total / COPY_MIN;
+    int k = threads < 1 ? 1 : threads > COPY_THREADS ? COPY_THREADS : threads;
+    if ((uint64_t)k > most)
+        k = most < 1 ? 1 : (int)most;
+    Part parts[COPY_THREADS];
+    pthread_t tids[COPY_THREADS];
+    int started[COPY_THREADS] = {0};
+    for (int t = 0; t < k; t++)
+        parts[t] = (Part){e, pre, buf, gathering, total * (uint64_t)t / (uint64_t)k, total * (uint64_t)(t + 1) / (uint64_t)k};
+    for (int t = 1; t < k; t++)
+        started[t] = pthread_create(&tids[t], NULL, copy_part, &parts[t]) == 0;
+    copy_part(&parts[0]);
+    for (int t = 1; t < k; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            copy_part(&parts[t]); /* no thread to be had: this one copies that part too */
+    }
+    free(pre);
+    return 0;
+}
+
+static PyObject *copy(PyObject *args, int gathering) {
+    PyObject *o[5], *bufobj;
+    int threads;
+    Extents e;
+    uint64_t total;
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "OOOOOOi", &o[0], &o[1], &o[2], &o[3], &o[4], &bufobj, &threads))
+        return NULL;
+    if (ext_check(o, &e, &total) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(bufobj, &buf, (gathering ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS) < 0) {
+        ext_release(&e);
+        return NULL;
+    }
+    if ((uint64_t)buf.len < total) {
+        PyErr_Format(PyExc_ValueError, "the buffer holds %zd bytes, the extents %llu", buf.len,
+                     (unsigned long long)total);
+        PyBuffer_Release(&buf);
+        ext_release(&e);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = copy_all(&e, buf.buf, gathering, total, threads);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&buf);
+    ext_release(&e);
+    if (rc < 0)
+        return PyErr_NoMemory();
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) { return copy(args, 1); }
+static PyObject *scatter(PyObject *self, PyObject *args) { return copy(args, 0); }
 
 /* ---- block ids ------------------------------------------------------------------------------------------------ */
 
@@ -311,6 +422,10 @@ static PyMethodDef methods[] = {
      "sendv(fd, bases, sizes, region, offset, nbytes, timeout_ms) -> bytes sent: gather-send every extent"},
     {"recvv", recvv, METH_VARARGS,
      "recvv(fd, bases, sizes, region, offset, nbytes, timeout_ms) -> bytes received: scatter-receive every extent"},
+    {"gather", gather, METH_VARARGS,
+     "gather(bases, sizes, region, offset, nbytes, out, threads) -> bytes: every extent, in order, into out"},
+    {"scatter", scatter, METH_VARARGS,
+     "scatter(bases, sizes, region, offset, nbytes, src, threads) -> bytes: src, in order, into every extent"},
     {"affine", affine, METH_VARARGS, "affine(ids, stride, offset, out): out = ids * stride + offset"},
     {"check_ids", check_ids, METH_VARARGS, "check_ids(ids, num_blocks) -> 0 fine, 1 out of range, 2 repeated"},
     {"run_starts", run_starts, METH_VARARGS, "run_starts(a, b, out) -> k: out[:k] = where runs of consecutive ids begin"},

@@ -237,3 +237,49 @@ def test_run_starts_refuses_vectors_of_different_lengths():
         _kvx.run_starts(np.arange(4), np.arange(4), np.empty(3, np.int64))
     with pytest.raises(TypeError):
         _kvx.run_starts(np.arange(4, dtype=np.int32), np.arange(4), np.empty(4, np.int64))
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_gather_and_scatter_move_every_piece_in_stream_order(threads):
+    """Pieces of every size over three regions, the stream cut between threads inside pieces (2-byte pieces
+    beside 9 MiB ones): gather puts each in order, scatter puts it back, and no byte outside them changes."""
+    rng = np.random.default_rng(8)
+    mems = [rng.integers(0, 256, size, dtype=np.uint8) for size in (24 << 20, 3 << 20, 4096)]
+    bases = np.array([m.ctypes.data for m in mems], dtype=np.uint64)
+    sizes = np.array([len(m) for m in mems], dtype=np.int64)
+    pieces = [
+        (0, 0, 9 << 20),
+        (2, 100, 2),
+        (1, 5, 3 << 20 - 5),
+        (0, 10 << 20, 7),
+        (2, 4094, 2),
+        (0, 12 << 20, 12 << 20),
+    ]
+    region, offset, nbytes = (np.array(c, dtype=np.int64) for c in zip(*pieces, strict=True))
+    want = b"".join(mems[r][o : o + n].tobytes() for r, o, n in pieces)
+    out = np.zeros(len(want) + 5, dtype=np.uint8)
+    assert _kvx.gather(bases, sizes, region, offset, nbytes, out, threads) == len(want)
+    assert out[: len(want)].tobytes() == want and not out[len(want) :].any()
+    before = [m.copy() for m in mems]
+    back = rng.integers(0, 256, len(want), dtype=np.uint8)
+    assert _kvx.scatter(bases, sizes, region, offset, nbytes, back, threads) == len(want)
+    at = 0
+    for r, o, n in pieces:
+        assert (mems[r][o : o + n] == back[at : at + n]).all()
+        before[r][o : o + n] = back[at : at + n]
+        at += n
+    assert all((m == b).all() for m, b in zip(mems, before, strict=True))  # nothing else was touched
+
+
+def test_gather_and_scatter_refuse_a_piece_outside_its_region_or_a_short_buffer():
+    mem = np.zeros(4096, dtype=np.uint8)
+    bases, sizes = np.array([mem.ctypes.data], np.uint64), np.array([4096], np.int64)
+    one = np.zeros(1, np.int64)
+    with pytest.raises(ValueError, match="outside its region"):
+        _kvx.gather(bases, sizes, one, np.array([4000]), np.array([97]), np.zeros(97, np.uint8), 1)
+    with pytest.raises(ValueError, match="outside its region"):
+        _kvx.scatter(bases, sizes, np.ones(1, np.int64), one, np.array([1]), np.zeros(1, np.uint8), 1)
+    with pytest.raises(ValueError, match="holds 99 bytes"):
+        _kvx.gather(bases, sizes, one, one, np.array([100]), np.zeros(99, np.uint8), 1)
+    with pytest.raises(BufferError):
+        _kvx.gather(bases, sizes, one, one, np.array([8]), b"read-only", 1)  # gathering needs a writable buffer
