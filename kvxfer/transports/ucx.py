@@ -216,15 +216,11 @@ class UcxTransport(Transport):
             self.unattended = [op for op in self.unattended if not op.req.completed]
 
     # ---- the stream: gather into and scatter from a bounce buffer (the staging engine's host copies) ------
-    def gather(self, ext: Extents) -> tuple[np.ndarray, np.ndarray]:
-        """``ext``'s bytes in a bounce buffer: (the buffer, to give back once sent; its first ``ext.total``)."""
-        buf = self.bounces.take(ext.total)
-        out = buf[: ext.total]
-        self.copies.gather(ext, Slot(out.data, ext.total, {"array": out}))
-        return buf, out
+    def gather(self, ext: Extents, out: np.ndarray) -> None:
+        self.copies.gather(ext, Slot(out.data, ext.total))
 
     def scatter(self, ext: Extents, data: np.ndarray) -> None:
-        self.copies.scatter(Slot(data.data, len(data), {"array": data}), ext)
+        self.copies.scatter(Slot(data.data, len(data)), ext)
 
     def windows(self, total: int) -> list[tuple[int, int]]:
         return [(o, min(self.window, total - o)) for o in range(0, total, self.window)]
@@ -324,15 +320,20 @@ class UcxLink(Link[UcxTransport]):
 
         return check
 
-    def _send_stream(self, data: np.ndarray, seq: int, check) -> None:
+    def _send_stream(self, ext: Extents, seq: int, check) -> None:
+        """Gather ``ext`` into a bounce buffer a window at a time, each window's send posted once it is gathered
+        (the next window's copy overlaps it); the buffer goes back once every send ended well."""
+        whole = self.t.bounces.take(ext.total)
         tag, ops = self._tag(seq, DATA), []
         try:
-            for o, n in self.t.windows(len(data)):
-                ops.append(self._send(data[o : o + n], tag))
+            for o, n in self.t.windows(ext.total):
+                self.t.gather(ext.window(o, n), whole[o : o + n])
+                ops.append(self._send(whole[o : o + n], tag))
         except BaseException:
             self._leave(ops)
             raise
         self._wait(ops, check)
+        self.t.bounces.give(whole)
 
     def _recv_stream(self, ext: Extents, seq: int, check) -> None:
         """Receive the stream into a bounce buffer, scattering each window into ``ext`` once it arrived."""
@@ -364,9 +365,7 @@ class UcxLink(Link[UcxTransport]):
         ext = self._extents(src_ids, part, chunks)
         check = self._checker(deadline, cancel)
         seq = self._ask(req, gen, dst_ids, ext.total, deadline, check)
-        buf, data = self.t.gather(ext)
-        self._send_stream(data, seq, check)
-        self.t.bounces.give(buf)
+        self._send_stream(ext, seq, check)
         self._await_reply(seq, DONE, check)
         return ext.total
 
@@ -432,7 +431,6 @@ class UcxLink(Link[UcxTransport]):
             host.end_read(ticket, 0, e)
             self._refusal(head.seq, READY, e)
             return
-        buf, data = self.t.gather(ext)
         self._reply(head.seq, READY, Reply(ok=True))
         until = time.monotonic() + max(0.0, head.timeout)
 
@@ -442,11 +440,10 @@ class UcxLink(Link[UcxTransport]):
                 raise DeadlineError("the consumer stopped reading")
 
         try:
-            self._send_stream(data, head.seq, check)
+            self._send_stream(ext, head.seq, check)
         except KVXferError as e:
             host.end_read(ticket, 0, e)
             return
-        self.t.bounces.give(buf)
         host.end_read(ticket, ext.total, None)
 
     # ---- pull: consumer side -----------------------------------------------------------------------------
