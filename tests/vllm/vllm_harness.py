@@ -268,8 +268,9 @@ class Worker:
             for li, name in enumerate(LAYERS):
                 self._attention(li, name, so, starts)
 
-        for o in ours.ship if ours is not None else ():  # ordered to ship once this step's forward wrote them
-            self.shipped[o.req_id] = [block_stream(self.kvxfer.producer.layout, b) for b in o.block_ids]
+        producer = self.kvxfer.producer if ours is not None else None  # None while asleep: nothing ships
+        for o in ours.ship if producer is not None else ():  # ordered to ship once this step's forward wrote them
+            self.shipped[o.req_id] = [block_stream(producer.layout, b) for b in o.block_ids]
 
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
