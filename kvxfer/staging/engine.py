@@ -1,8 +1,8 @@
 """The copy-engine interface and its host implementation.
 
 A copy engine moves one window of planned extents (``plan.Extents``: region, offset, length) between the
-registered regions and a contiguous staging slot, without a Python object per piece: the extents are cut into
-rows of their common granularity and copied as one indexed gather per region (``rows``).
+registered regions and a contiguous staging slot, without a Python object per piece: the host engine with one
+native memcpy per piece, the CUDA engine over rows of the extents' common granularity (``rows``).
 """
 
 from __future__ import annotations
@@ -95,9 +95,7 @@ class HostEngine(CopyEngine):
         self.threads = parallel.per_core() if threads is None else max(1, int(threads))
 
     def slot(self, nbytes: int) -> Slot:
-        buf = bytearray(nbytes)
-        arr = np.frombuffer(buf, dtype=np.uint8)
-        return Slot(memoryview(buf), nbytes, {"array": arr})
+        return Slot(memoryview(bytearray(nbytes)), nbytes)
 
     def gather(self, ext: Extents, into: Slot) -> Pending:
         _kvx.gather(self.bases, self.sizes, ext.region, ext.offset, ext.nbytes, into.view, self.threads)
