@@ -268,9 +268,10 @@ class Worker:
             for li, name in enumerate(LAYERS):
                 self._attention(li, name, so, starts)
 
-        producer = self.kvxfer.producer if ours is not None else None  # None while asleep: nothing ships
-        for o in ours.ship if producer is not None else ():  # ordered to ship once this step's forward wrote them
-            self.shipped[o.req_id] = [block_stream(producer.layout, b) for b in o.block_ids]
+        # ordered to ship once this step's forward wrote them (no producer while asleep: nothing ships)
+        if ours is not None and (producer := self.kvxfer.producer) is not None:
+            for o in ours.ship:
+                self.shipped[o.req_id] = [block_stream(producer.layout, b) for b in o.block_ids]
 
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
