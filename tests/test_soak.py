@@ -51,5 +51,7 @@ def test_short_soak_has_zero_faults(transport, tmp_path):
     fig = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert fig["untyped"] == fig["hangs"] == fig["leaks"] == fig["corruption"] == 0, fig
-    assert fig["requests"] >= 60 and fig["arrived"] > 0, fig
+    # enough requests that the faults hit live transfers (60 or more on an idle machine; 48 was seen beside two
+    # vLLM servers on the same two cores), not a speed target
+    assert fig["requests"] >= 30 and fig["arrived"] > 0, fig
     assert sum(fig["faults"].values()) >= 10, fig
