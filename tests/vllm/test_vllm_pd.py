@@ -6,7 +6,9 @@ the byte came through kvxfer (over tcp and nixl)."""
 
 from __future__ import annotations
 
+import logging
 import time
+import types
 
 import pytest
 
@@ -204,6 +206,53 @@ def test_lease_expiry_frees_the_prefill_and_the_decode_recomputes(vh, engines, a
     r = d.outputs["d-l"]["kv_transfer_params"]["kvxfer"]
     assert r["status"] == "failed" and "LeaseExpiredError" in r["error"], r
     assert d.first_computed["d-l"] == 0 and d.outputs["d-l"]["tokens"] == 1
+    d.assert_no_leaks()
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record):
+        self.lines.append((record.levelno, record.getMessage()))
+
+
+@pytest.mark.parametrize("lease", ["running", "over"])
+def test_a_fetch_order_that_reaches_the_worker_late_says_so(vh, engines, monkeypatch, lease):
+    """A stalled vLLM worker gets its fetch order long after the scheduler allocated the blocks (docs/serving.md):
+    while the hold's lease still runs the fetch goes ahead with a warning naming the delay; once the lease is over
+    the failure names it. The scheduler's clock is moved back, so the order reads as made 5 s before the worker
+    starts it."""
+    from kvxfer.integrations.vllm import scheduler as sched_mod
+
+    p, d = _pair(vh, engines, "tcp", lease=30 if lease == "running" else 0.6, policy="recompute")
+    t = p.prefill("p-late", 40, seed=8)
+    if lease == "over":
+        p.run()  # the lease ends, the prefill frees its blocks
+    real = time.time
+    monkeypatch.setattr(sched_mod, "time", types.SimpleNamespace(time=lambda: real() - 5, sleep=time.sleep))
+    records = _Records()
+    logging.getLogger("vllm.kvxfer").addHandler(records)
+    try:
+        d.add(vh.make_request("d-late", 40, 1, t, seed=8))
+        d.run()
+    finally:
+        logging.getLogger("vllm.kvxfer").removeHandler(records)
+    (order,) = d.worker.fetch_orders
+    assert 4.5 < real() - order.ordered_at < 30
+    r = d.outputs["d-late"]["kv_transfer_params"]["kvxfer"]
+    if lease == "running":
+        assert r["status"] == "fetched", r
+        late = [m for level, m in records.lines if level == logging.WARNING and "reached this worker" in m]
+        assert len(late) == 1 and "d-late" in late[0], records.lines
+        assert _loaded_ok(vh, d, "d-late", 40, 8) == 39
+        p.run()
+    else:
+        assert r["status"] == "failed" and "LeaseExpiredError" in r["error"], r
+        assert "reached this worker 5." in r["error"], r
+        assert d.first_computed["d-late"] == 0
+    p.assert_no_leaks()
     d.assert_no_leaks()
 
 

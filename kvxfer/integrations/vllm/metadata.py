@@ -53,6 +53,7 @@ class FetchOrder:
     # 0: one per span
     groups: int = 0
     error: str = ""  # the scheduler could not map the blocks: fail at once (the request still waits for a report)
+    ordered_at: float = 0.0  # when the scheduler allocated the blocks (time.time()): a worker that gets it late says so
 
     def __post_init__(self) -> None:
         self.groups = self.groups or len(self.spans) or 1

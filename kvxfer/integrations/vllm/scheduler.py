@@ -290,6 +290,7 @@ class KVXferScheduler:
             spans=f.spans,
             groups=len(t.groups) or 1,
             error=f.error,
+            ordered_at=time.time(),
         )
 
     def _maybe_order(

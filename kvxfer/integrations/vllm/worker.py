@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import queue
 import threading
 import time
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 QUEUED, LAUNCHING, SHIPPING = "queued", "launching", "shipping"
 ENDED = ("done", "failed", "cancelled")
+LATE = 1.0  # seconds between the scheduler's fetch order and the worker starting it past which the log says so
 
 
 class _Shipment:
@@ -379,10 +381,19 @@ class KVXferWorker:
                     f"{layout.fingerprint_id}"
                 )
             remaining = min(o.deadline - (time.monotonic() - fe.t0), o.lease_expires - time.time())
+            late = time.time() - o.ordered_at if o.ordered_at else 0.0
+            why = f" (the order reached this worker {late:.1f}s after vLLM allocated its blocks)" if late > LATE else ""
             if remaining <= 0:
-                raise LeaseExpiredError(f"the lease of hold {o.transfer_id!r} ended before the fetch started")
-            log.debug(
-                "kvxfer: request %s: fetching %r from %s, %.3fs left", o.req_id, o.transfer_id, o.address, remaining
+                raise LeaseExpiredError(f"the lease of hold {o.transfer_id!r} ended before the fetch started{why}")
+            # late: a stalled or busy worker, the lease ran meanwhile (docs/serving.md)
+            log.log(
+                logging.WARNING if why else logging.DEBUG,
+                "kvxfer: request %s: fetching %r from %s%s, %.3fs left",
+                o.req_id,
+                o.transfer_id,
+                o.address,
+                why,
+                remaining,
             )
             reads = self._reads(o, layout)
             sources, unread = self._sources(o)
