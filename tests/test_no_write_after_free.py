@@ -150,8 +150,13 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
     tensors, kw, _, _ = SPEC.build(fill=0)
     layout = SPEC.layout(tensors, kw)
     p = ProducerChild(SPEC, "tcp", seed=3, **one_stream("tcp"))
+    midway = 0  # rounds that froze the producer with the pull under 90% done
     try:
-        for r in range(3):  # the reader may be between two waits that do look at the close: try a few times
+        # the reader may be between two waits that do look at the close: three rounds. On a loaded machine this
+        # process can be kept off the CPU until the throttled pull is all but done: such a round does not count.
+        for r in range(8):
+            if midway == 3:
+                break
             guard = GuardedAllocator(layout)
             c = Consumer(layout, transport="tcp", allocator=guard, deadline=20.0, **one_stream("tcp"))
             try:
@@ -162,7 +167,7 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
                     assert time.monotonic() < end, "no bytes arrived"
                     time.sleep(0.0005)
                 slow.freeze()
-                assert guard.progress(guard.allocated()) < 0.9, "the pull was nearly done when the producer stopped"
+                midway += guard.progress(guard.allocated()) < 0.9
                 c.close()
                 end = time.monotonic() + 1.0
                 while (c.stats()["dying"] or not guard.full) and time.monotonic() < end:
@@ -174,6 +179,7 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
             assert guard.check() == [] and guard.bad_frees() == []
     finally:
         p.close()
+    assert midway == 3, f"only {midway} of the rounds caught the pull midway"
 
 
 SMALL = Spec(kind="nhd", num_blocks=64, layers=4, heads=4, block_size=16, head_dim=64)  # 64 KiB blocks
