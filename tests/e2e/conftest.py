@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -74,12 +75,18 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) ->
 
 
 class Proc:
+    """A child in a process group of its own, logging to ``log``. Every one not yet killed is killed when the
+    session ends, so that a test stopped between starting two of them (a timeout, an interrupt) leaks none."""
+
+    live: ClassVar[set[Proc]] = set()
+
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.log = log
         self.fh = open(log, "wb")  # noqa: SIM115 - the child writes to it until stop() closes it
         self.p = subprocess.Popen(
             args, stdout=self.fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
+        Proc.live.add(self)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.p.poll() is None:
@@ -90,6 +97,7 @@ class Proc:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait(10)
         self.fh.close()
+        Proc.live.discard(self)
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -253,3 +261,18 @@ def etcd(tmp_path_factory):
     wait_http(f"http://127.0.0.1:{client}/health", 30, proc.p)
     yield f"127.0.0.1:{client}"
     proc.kill()
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in list(Proc.live):
+        proc.kill()
+
+
+def pytest_configure(config):
+    """A terminated run (``make test`` interrupted, a CI job cancelled: SIGTERM) ends as an interrupted one, so
+    that teardown still stops the vLLM servers, routers and etcd it started in process groups of their own."""
+    signal.signal(signal.SIGTERM, _interrupted)
