@@ -2,11 +2,10 @@ PYTHON ?= python3
 
 .PHONY: test lint bench install-test-deps
 
-# The README's test command: install what the tests need, check lint and types, then run the tests: those over
-# ucx in a process of their own (ucxx's UCX and NIXL's do not share a process; docs/transports.md).
+# The README's test command: install what the tests need, check lint and types, then run the tests: the
+# end-to-end ones beside the rest, those over ucx in a process of their own (scripts/run-tests.sh says why).
 test: install-test-deps lint
-	$(PYTHON) -m pytest -m "not ucx"
-	$(PYTHON) -m pytest -m ucx
+	PYTHON=$(PYTHON) bash scripts/run-tests.sh
 
 lint:
 	$(PYTHON) -m ruff check .
