@@ -50,8 +50,9 @@ def nixl():
     _require("nixl" in transports.available(), "NIXL is not available here")
 
 
-def _run(cmd, timeout: float):
+def _run(cmd, timeout: float, **env_vars: str):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.update(env_vars)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -117,6 +118,15 @@ def test_program_using_the_nixl_transport_exits_zero(nixl):
     proc = _run([sys.executable, "-c", PROGRAM], timeout=60)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.strip() == "pushed 3"
+
+
+def test_ucx_log_lines_stay_out_of_the_programs_output(nixl):
+    """UCX prints its log to stdout by default (seen: a connect error after a loaded run's "pushed 3"); a
+    program's stdout is its own. At UCX's info level there are a dozen lines to misplace."""
+    proc = _run([sys.executable, "-c", PROGRAM], timeout=60, UCX_LOG_LEVEL="info")
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip() == "pushed 3"
+    assert "UCX" in proc.stderr
 
 
 @pytest.mark.vllm

@@ -9,6 +9,7 @@ that can ``write`` (push) and ``read`` (pull).
 
 from __future__ import annotations
 
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -19,6 +20,13 @@ import numpy as np
 from ..layout import KVLayout
 from ..paging import Paging, paging
 from ..shard import Selection
+
+
+def ucx_logs_to_stderr() -> None:
+    """UCX writes its log lines (errors included) to stdout unless told otherwise, into the output of whatever
+    program uses kvxfer; they go to stderr instead (``UCX_LOG_FILE``: a user's own setting wins). Call before
+    UCX reads its environment."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
 
 
 @dataclass

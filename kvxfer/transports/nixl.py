@@ -32,7 +32,7 @@ from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, Tran
 from ..memory import HOST
 from ..plan import Extents
 from . import parallel
-from .base import Link, Peer, Transport, WriteHost
+from .base import Link, Peer, Transport, WriteHost, ucx_logs_to_stderr
 
 _NOTIF = msgspec.msgpack.Encoder()
 _NOTIF_DECODER = msgspec.msgpack.Decoder(tuple[str, int, int])
@@ -110,6 +110,7 @@ def nixl_api():
     """NIXL's Python API: the ``nixl`` meta-package if installed (it picks the wheel matching the CUDA
     driver, which takes seconds), else the one CUDA-flavoured wheel that is (``kvxfer[nixl]`` on CPU)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    ucx_logs_to_stderr()
     names = ("nixl._api",) if importlib.util.find_spec("nixl") else ("nixl_cu13._api", "nixl_cu12._api")
     for name in names:
         try:

@@ -39,7 +39,7 @@ from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, Prot
 from ..memory import HOST
 from ..plan import Extents
 from ..staging.engine import HostEngine, Slot
-from .base import Link, Peer, ReadHost, Transport, WriteHost
+from .base import Link, Peer, ReadHost, Transport, WriteHost, ucx_logs_to_stderr
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -128,6 +128,7 @@ def ucxx() -> ModuleType:
     wrong UCX modules (measured: 0.6-0.8 GB/s where NIXL alone moves 4-5), so naming, listing or probing this
     transport never loads it, and ``auto`` never opens it."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # set before UCX reads its environment
+    ucx_logs_to_stderr()
     import ucxx._lib.libucxx as ucx
 
     return ucx
