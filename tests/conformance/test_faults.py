@@ -111,14 +111,20 @@ def test_producer_stopped_hits_the_consumer_deadline(consumers, producers):
     import os
     import signal
 
-    producer.push(consumer.address, "frozen", np.arange(256), wait=False)
-    wait_for(lambda: consumer.stats()["inflight"] == 1, 10, 0.001)
-    os.kill(producer.pid, signal.SIGSTOP)
-    try:
-        wait_for(lambda: _settled(consumer, 256), 10)
-        assert consumer.stats()["failed"] >= 1
-    finally:
-        os.kill(producer.pid, signal.SIGCONT)
+    for attempt in range(5):  # a push that lands before the stop proves nothing (test_producer_killed_mid_transfer)
+        producer.push(consumer.address, f"frozen-{attempt}", np.arange(256), wait=False)
+        wait_for(lambda: consumer.stats()["inflight"] == 1 or not consumer.arrivals.empty(), 10, 0.001)
+        os.kill(producer.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: _settled(consumer, 256) or not consumer.arrivals.empty(), 10)
+        finally:
+            os.kill(producer.pid, signal.SIGCONT)
+        if consumer.arrivals.empty():
+            break
+        consumer.release(consumer.get(1).req)
+    else:
+        pytest.fail("every push was done before its producer was stopped")
+    assert consumer.stats()["failed"] >= 1
 
 
 def test_producer_cancels(consumers, transport):
