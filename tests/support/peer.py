@@ -183,26 +183,20 @@ class ProducerChild(PipedProcess):
 
 class Throttle:
     """Slows a process down by stopping it for ``stop`` seconds out of every ``stop + run`` (SIGSTOP /
-    SIGCONT from a thread), so that a transfer it serves takes long enough to end it midway. On a loaded
-    machine this thread's ``run`` sleep can last ten times longer: the stop that follows grows with it, up to
-    ``longest`` (under the tests' 0.2 s quarantine: a producer stopped longer than that may post a granted
-    one-sided WRITE after the consumer freed its blocks, the known limit in docs/testing.md)."""
+    SIGCONT from a thread), so that a transfer it serves takes long enough to end it midway."""
 
-    def __init__(self, proc: PipedProcess, run: float = 0.001, stop: float = 0.049, longest: float = 0.15):
-        self.proc, self.run, self.stop_s, self.longest = proc, run, stop, longest
+    def __init__(self, proc: PipedProcess, run: float = 0.001, stop: float = 0.049):
+        self.proc, self.run, self.stop_s = proc, run, stop
         self._halt = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         try:
-            ran = self.run
             while not self._halt.is_set():
                 self.proc.stop()
-                time.sleep(max(self.stop_s, min(self.stop_s * ran / self.run, self.longest)))
-                t = time.monotonic()
+                time.sleep(self.stop_s)
                 self.proc.cont()
                 time.sleep(self.run)
-                ran = time.monotonic() - t
         except ProcessLookupError:
             pass
 
