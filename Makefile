@@ -2,8 +2,9 @@ PYTHON ?= python3
 
 .PHONY: test lint bench install-test-deps
 
-# The README's test command: install what the tests need, check lint and types, then run the tests: the
-# end-to-end ones beside the rest, those over ucx in a process of their own (scripts/run-tests.sh says why).
+# The README's test command: install what the tests need, check lint and types, then run the tests: the quiet
+# ones alone, then the end-to-end ones beside the rest, those over ucx in processes of their own
+# (scripts/run-tests.sh says why).
 test: install-test-deps lint
 	PYTHON=$(PYTHON) bash scripts/run-tests.sh
 
