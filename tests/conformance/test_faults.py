@@ -31,6 +31,26 @@ def _settled(consumer, free: int) -> bool:
     return s["free_blocks"] == free and s["inflight"] == 0 and s["dying"] == 0
 
 
+def _interrupt_midway(consumer, start, interrupt, resume=lambda: None) -> None:
+    """``start(attempt)`` a transfer of the consumer's, ``interrupt()`` its producer once the consumer admitted
+    it, and wait until the consumer settled (``resume()`` after). On a loaded machine 100 MiB over shared memory
+    can land before this process sees the transfer start: a round whose transfer beat the interrupt proves
+    nothing, its blocks go back, and it runs again (five rounds at most)."""
+    for attempt in range(5):
+        start(attempt)
+        wait_for(lambda: consumer.stats()["inflight"] == 1 or not consumer.arrivals.empty(), 10, 0.001)
+        interrupt()
+        try:
+            wait_for(lambda: _settled(consumer, 256) or not consumer.arrivals.empty(), 10)
+        finally:
+            resume()
+        if consumer.arrivals.empty():
+            return
+        consumer.release(consumer.get(timeout=1).req)
+        wait_for(lambda: _settled(consumer, 256), 10)
+    pytest.fail("every transfer was done before its producer was interrupted")
+
+
 def _local_producer(spec, transport, **options):
     tensors, kw, _, raw = spec.build(seed=1)
     return Producer(spec.layout(tensors, kw), transport=transport, **{**TRANSPORT_ONLY, **options}), raw
@@ -46,22 +66,15 @@ PIECES = {
 
 @pytest.mark.parametrize("mode,pieces", [("push", "one"), ("push", "parallel"), ("pull", "parallel")])
 def test_producer_killed_mid_transfer(consumers, producers, mode, pieces):
-    """On a loaded machine 100 MiB over shared memory can land before this process sees the transfer start: a
-    round whose transfer beat the kill proves nothing, and runs again with a new producer (five at most)."""
     options, ids = PIECES[pieces]
     consumer = consumers(BIG, transport_options=options)
-    for attempt in range(5):
-        producer = producers(BIG, transport_options=options)
-        getattr(producer, mode)(consumer.address, f"doomed-{attempt}", ids(200), wait=False)
-        wait_for(lambda: consumer.stats()["inflight"] == 1 or not consumer.arrivals.empty(), 10, 0.001)
-        producer.kill()
-        wait_for(lambda: _settled(consumer, 256) or not consumer.arrivals.empty(), 10)
-        if consumer.arrivals.empty():
-            break
-        consumer.release(consumer.get(timeout=1).req)
-        wait_for(lambda: _settled(consumer, 256), 10)
-    else:
-        pytest.fail("every transfer was done before its producer was killed")
+    made = []  # a new producer each round: the last one is killed
+
+    def start(attempt: int) -> None:
+        made.append(producers(BIG, transport_options=options))
+        getattr(made[-1], mode)(consumer.address, f"doomed-{attempt}", ids(200), wait=False)
+
+    _interrupt_midway(consumer, start, lambda: made[-1].kill())
     assert consumer.arrivals.empty()
     assert consumer.stats()["failed"] == 1
 
@@ -108,22 +121,12 @@ def test_producer_stopped_hits_the_consumer_deadline(consumers, producers):
     producer = producers(BIG)
     producer.push(consumer.address, "warm", [0])
     consumer.release(consumer.get(10).req)
-    import os
-    import signal
-
-    for attempt in range(5):  # a push that lands before the stop proves nothing (test_producer_killed_mid_transfer)
-        producer.push(consumer.address, f"frozen-{attempt}", np.arange(256), wait=False)
-        wait_for(lambda: consumer.stats()["inflight"] == 1 or not consumer.arrivals.empty(), 10, 0.001)
-        os.kill(producer.pid, signal.SIGSTOP)
-        try:
-            wait_for(lambda: _settled(consumer, 256) or not consumer.arrivals.empty(), 10)
-        finally:
-            os.kill(producer.pid, signal.SIGCONT)
-        if consumer.arrivals.empty():
-            break
-        consumer.release(consumer.get(1).req)
-    else:
-        pytest.fail("every push was done before its producer was stopped")
+    _interrupt_midway(
+        consumer,
+        lambda attempt: producer.push(consumer.address, f"frozen-{attempt}", np.arange(256), wait=False),
+        producer.stop,
+        producer.cont,
+    )
     assert consumer.stats()["failed"] >= 1
 
 
