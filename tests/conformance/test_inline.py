@@ -28,6 +28,16 @@ def _same(consumer, spec, seed, src_ids, arrival) -> None:
     assert untouched(consumer.views, arrival.block_ids, SENTINEL)
 
 
+def _raw_producer(consumers, transport):
+    """A consumer and a hand-driven producer session to it, past the handshake."""
+    spec = Spec()
+    consumer = consumers(spec)
+    tensors, kw, _, _ = spec.build(seed=1)
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(spec.layout(tensors, kw), transport), wire.Welcome)
+    return spec, consumer, raw
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_small_push_travels_inline_and_lands_every_byte(consumers, transport, kind):
     spec = Spec(kind=kind)
@@ -64,11 +74,7 @@ def test_large_pushes_and_inline_max_zero_use_the_transport(consumers, transport
 def test_inline_bytes_a_peer_sends_wrong_are_refused_and_leak_nothing(consumers, transport):
     """Too few bytes, too many, inline bytes in a part of a multi-sender push: ``Error(blocks)`` each, every
     block free, and the session still admits a correct inline push."""
-    spec = Spec()
-    consumer = consumers(spec)
-    tensors, kw, _, _ = spec.build(seed=1)
-    raw = RawPeer(consumer.address)
-    assert isinstance(raw.hello(spec.layout(tensors, kw), transport), wire.Welcome)
+    spec, consumer, raw = _raw_producer(consumers, transport)
     size = consumer.layout.block_bytes
     for i, fields in enumerate(
         [
@@ -146,11 +152,13 @@ def test_a_small_push_with_digests_still_has_them_checked(consumers, transport):
         assert len(consumer.get(10).digests) == 8
 
 
+@pytest.mark.parametrize("kind", ["push", "offer"])
 @pytest.mark.parametrize("inline_max", [None, 0], ids=["inline", "transport"])
-def test_a_push_is_acknowledged_before_the_runtime_sees_it(consumers, transport, inline_max):
-    """A runtime that closes its consumer as soon as a request arrived must not fail the producer's push: the
-    Ack leaves before the arrival is handed over. The callback holds the hand-off until the producer's push ended;
-    an Ack sent after the hand-off would never come while it waits."""
+def test_a_push_is_acknowledged_before_the_runtime_sees_it(consumers, transport, inline_max, kind):
+    """A runtime that closes its consumer as soon as a request arrived must not fail the producer's push or
+    offer: the Ack (a push) or Released (an inline offer) leaves before the arrival is handed over. The callback
+    holds the hand-off until the producer's transfer ended; an answer sent after the hand-off would never come
+    while it waits."""
     import time
 
     spec = Spec()
@@ -167,9 +175,38 @@ def test_a_push_is_acknowledged_before_the_runtime_sees_it(consumers, transport,
     options = {} if inline_max is None else {"inline_max": inline_max}
     with _producer(spec, transport, seed=3, **options) as p:
         for i, n in enumerate((1, 3)):
-            t = pushes[f"r{i}"] = p.push(consumer.address, f"r{i}", np.arange(n))
+            t = pushes[f"r{i}"] = getattr(p, kind)(consumer.address, f"r{i}", np.arange(n))
             t.result(10)
             assert t.inline == (inline_max is None)
             consumer.get(10)
             consumer.release(f"r{i}")
     assert outcomes == [True, True]
+
+
+def test_an_inline_offer_is_handed_off_once_it_landed_without_waiting_for_the_producer(consumers, transport):
+    """The bytes of an inline offer were read while the producer held its blocks: the consumer releases and hands
+    it off at once. The producer's answer that comes later (or never) changes nothing: a stale Ack or Error is
+    ignored and the session goes on."""
+    spec, consumer, raw = _raw_producer(consumers, transport)
+    size = consumer.layout.block_bytes
+    payloads = [bytes([i + 1]) * size for i in range(3)]
+    ids = wire.ids_to_bytes(np.array([4]))
+    raw.send(wire.Offer(req="o", gen=5, ids=ids, lease_ms=5000, data=payloads[0]))
+    released = raw.recv()
+    assert isinstance(released, wire.Released) and (released.gen, released.nbytes) == (5, size)
+    a = consumer.get(10)  # no Ack was sent
+    assert (a.req, a.kind) == ("o", "pull")
+    assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payloads[0]).to_bytes(4, "little")
+    assert consumer.release("o")
+    raw.send(wire.Offer(req="o", gen=6, ids=ids, lease_ms=5000, data=payloads[1]))
+    assert isinstance(raw.recv(), wire.Released)
+    raw.send(wire.Ack(req="o", gen=5))  # late, for the first offer of the id: not taken for the second
+    raw.send(wire.Error(req="o", gen=6, code="stale", message="lease ran out"))  # after the hand-off: too late
+    b = consumer.get(10)
+    assert b.req == "o" and b.gen != a.gen
+    assert block_digests(consumer.layout, b.block_ids) == zlib.crc32(payloads[1]).to_bytes(4, "little")
+    assert consumer.release("o")
+    raw.send(wire.Offer(req="p", gen=7, ids=ids, lease_ms=5000, data=payloads[2]))
+    assert isinstance(raw.recv(), wire.Released)
+    assert consumer.get(10).req == "p" and consumer.release("p")
+    assert consumer.stats()["free_blocks"] == spec.num_blocks
