@@ -12,9 +12,10 @@ dead peer fails the transfer instead of hanging it. The protocol is the TCP tran
 
 ucxx 0.52 can cancel neither one posted receive nor an endpoint's receives, so a receive is never posted
 into KV memory: the stream lands in a host bounce buffer and is scattered into the granted blocks only after
-it arrived and while the grant holds. The sender gathers its blocks into a buffer the same way. Every request
-keeps its buffer alive until it ends, even one given up mid-way (a stopped peer), or the transport closes. Host
-memory only.
+it arrived and while the grant holds. The sender sends a window that is one contiguous piece of its blocks
+straight from them (a send only reads) and gathers any other window into a buffer. Every request keeps its
+buffer alive until it ends, even one given up mid-way (a stopped peer), or the transport closes. Host memory
+only.
 
 Tags are unique per receiving worker: 32 bits of link id (from the session key, checked unique among this
 transport's links), 24 bits of transfer sequence (odd for pushes, even for pulls), 8 bits of message kind.
@@ -36,7 +37,7 @@ import numpy as np
 
 from .. import wire
 from ..errors import CancelledError, DeadlineError, KVXferError, PeerError, ProtocolError, TransportError, from_code
-from ..memory import HOST
+from ..memory import HOST, host_buffer
 from ..plan import Extents
 from ..staging.engine import HostEngine, Slot
 from .base import Link, Peer, ReadHost, Transport, WriteHost, ucx_logs_to_stderr
@@ -159,6 +160,7 @@ class UcxTransport(Transport):
             raise TransportError("the ucx transport moves host memory only")
         self.window = max(1, int(window))
         self.copies = HostEngine(layout.regions)
+        self.memory = [np.frombuffer(host_buffer(r), dtype=np.uint8) for r in layout.regions]  # sent from directly
         self.bounces = _Bounces(max(0, int(bounce_keep)))
         ucx = ucxx()
         self.context = ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
@@ -322,19 +324,27 @@ class UcxLink(Link[UcxTransport]):
         return check
 
     def _send_stream(self, ext: Extents, seq: int, check) -> None:
-        """Gather ``ext`` into a bounce buffer a window at a time, each window's send posted once it is gathered
-        (the next window's copy overlaps it); the buffer goes back once every send ended well."""
-        whole = self.t.bounces.take(ext.total)
+        """Send ``ext`` a window at a time: a window that is one contiguous piece of a region straight from the
+        blocks, any other gathered into a bounce buffer first, each send posted once its window is ready (the
+        next window's copy overlaps it); the buffer goes back once every send ended well."""
         tag, ops = self._tag(seq, DATA), []
+        whole = None
         try:
-            for o, n in self.t.windows(ext.total):
-                self.t.gather(ext.window(o, n), whole[o : o + n])
-                ops.append(self._send(whole[o : o + n], tag))
+            for o, w in zip(range(0, ext.total, self.t.window), ext.split(self.t.window), strict=True):
+                if len(w) == 1:
+                    start = int(w.offset[0])
+                    data = self.t.memory[int(w.region[0])][start : start + w.total]
+                else:
+                    whole = self.t.bounces.take(ext.total) if whole is None else whole
+                    data = whole[o : o + w.total]
+                    self.t.gather(w, data)
+                ops.append(self._send(data, tag))
         except BaseException:
             self._leave(ops)
             raise
         self._wait(ops, check)
-        self.t.bounces.give(whole)
+        if whole is not None:
+            self.t.bounces.give(whole)
 
     def _recv_stream(self, ext: Extents, seq: int, check) -> None:
         """Receive the stream into a bounce buffer, scattering each window into ``ext`` once it arrived."""
