@@ -714,10 +714,6 @@ class Consumer(HandleBase):
             return self._pull_failed(s, slot, error)
         if not s.send(wire.Released(req=slot.req, gen=slot.lease_gen, nbytes=moved)):
             self._pull_failed(s, slot, PeerError("producer gone before release"))
-        elif data:  # bytes copied while the producer held its blocks: no lease to confirm, hand them off now
-            ready = self.grants.confirm(slot)
-            if ready is not None:
-                self._deliver(ready, "pull")
 
     def _pull_failed(self, s: _ConsumerSession, slot: Slot, error: KVXferError) -> None:
         with self._lock:
@@ -726,8 +722,8 @@ class Consumer(HandleBase):
         s.send(wire.Error(req=slot.req, gen=slot.lease_gen, code=error.code, message=str(error)))
 
     def _pull_answer(self, s: _ConsumerSession, msg) -> None:
-        """The producer's Ack or Error for a read; an inline pull was handed off before it came, so it finds
-        its slot gone, and an answer to an earlier offer of the same id leaves the newer one's entry."""
+        """The producer's Ack or Error for a read. A late answer to an earlier offer of the same request id (one
+        this consumer failed already) is ignored and leaves the live offer's entry for its own answer."""
         with self._lock:
             entry = s.pulls.get(msg.req)
             if entry is None or msg.gen != entry[0].lease_gen:

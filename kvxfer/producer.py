@@ -733,13 +733,8 @@ class Producer(HandleBase):
             ok = e
         if ok is None:
             t.timings["moved"] = now
-            ack = wire.Ack(req=t.req, gen=msg.gen)
-            if t.inline:  # the consumer handed it off before releasing: the transfer is done, Ack or no Ack
-                self._end(t, None)
-                s.send(ack)
-            else:  # the consumer hands it off on this Ack: a session lost before it went fails the transfer
-                s.send(ack)
-                self._end(t, None)
+            s.send(wire.Ack(req=t.req, gen=msg.gen))
+            self._end(t, None)
         else:
             s.send(wire.Error(req=t.req, gen=msg.gen, code=ok.code, message=str(ok)))
             self._end(t, LeaseExpiredError(str(ok)))

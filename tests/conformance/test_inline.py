@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from kvxfer import BlockError, ConfigError, Producer, wire
+from kvxfer import BlockError, ConfigError, DeadlineError, Producer, wire
 from kvxfer.digest import block_digests
 
 from .conftest import SENTINEL, pick, source_views
@@ -183,30 +183,30 @@ def test_a_push_is_acknowledged_before_the_runtime_sees_it(consumers, transport,
     assert outcomes == [True, True]
 
 
-def test_an_inline_offer_is_handed_off_once_it_landed_without_waiting_for_the_producer(consumers, transport):
-    """The bytes of an inline offer were read while the producer held its blocks: the consumer releases and hands
-    it off at once. The producer's answer that comes later (or never) changes nothing: a stale Ack or Error is
-    ignored and the session goes on."""
+def test_an_inline_offer_is_handed_off_only_on_the_producers_ack(consumers, transport):
+    """The consumer lands an inline offer's bytes and releases at once, but hands the request off only on the
+    producer's Ack: an Error(stale) (its lease ran out) discards it as for any pull, so both sides agree on the
+    outcome. An answer naming another generation is not the offer's: it is ignored and the offer waits for its own
+    (the session goes on)."""
     spec, consumer, raw = _raw_producer(consumers, transport)
     size = consumer.layout.block_bytes
-    payloads = [bytes([i + 1]) * size for i in range(3)]
     ids = wire.ids_to_bytes(np.array([4]))
-    raw.send(wire.Offer(req="o", gen=5, ids=ids, lease_ms=5000, data=payloads[0]))
+    raw.send(wire.Offer(req="late", gen=5, ids=ids, lease_ms=5000, data=bytes(size)))
     released = raw.recv()
     assert isinstance(released, wire.Released) and (released.gen, released.nbytes) == (5, size)
-    a = consumer.get(10)  # no Ack was sent
-    assert (a.req, a.kind) == ("o", "pull")
-    assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payloads[0]).to_bytes(4, "little")
-    assert consumer.release("o")
-    raw.send(wire.Offer(req="o", gen=6, ids=ids, lease_ms=5000, data=payloads[1]))
+    with pytest.raises(DeadlineError):
+        consumer.get(0.3)
+    raw.send(wire.Error(req="late", gen=5, code="stale", message="lease ran out"))
+    assert wait_for(lambda: consumer.stats()["free_blocks"] == spec.num_blocks, 5)
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    raw.send(wire.Offer(req="kept", gen=6, ids=ids, lease_ms=5000, data=payload))
     assert isinstance(raw.recv(), wire.Released)
-    raw.send(wire.Ack(req="o", gen=5))  # late, for the first offer of the id: not taken for the second
-    raw.send(wire.Error(req="o", gen=6, code="stale", message="lease ran out"))  # after the hand-off: too late
-    b = consumer.get(10)
-    assert b.req == "o" and b.gen != a.gen
-    assert block_digests(consumer.layout, b.block_ids) == zlib.crc32(payloads[1]).to_bytes(4, "little")
-    assert consumer.release("o")
-    raw.send(wire.Offer(req="p", gen=7, ids=ids, lease_ms=5000, data=payloads[2]))
-    assert isinstance(raw.recv(), wire.Released)
-    assert consumer.get(10).req == "p" and consumer.release("p")
+    raw.send(wire.Ack(req="kept", gen=5))
+    with pytest.raises(DeadlineError):
+        consumer.get(0.3)
+    raw.send(wire.Ack(req="kept", gen=6))
+    a = consumer.get(10)
+    assert (a.req, a.kind) == ("kept", "pull")
+    assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payload).to_bytes(4, "little")
+    assert consumer.release("kept")
     assert consumer.stats()["free_blocks"] == spec.num_blocks
