@@ -85,7 +85,7 @@ class TcpTransport(Transport):
             return
         ch = Channel(sock)
         if hello.purpose == "pull":
-            link.conns.pulls.put(link.conns.track(ch))  # tracked: closing the link stops a read in progress
+            link.conns.give_back(link.conns.pulls, link.conns.track(ch))  # tracked: a closing link stops its read
         else:
             link.spawn(link.serve_writes, ch)
 

@@ -136,7 +136,7 @@ class TcpLink(Link["TcpTransport"]):
                 if isinstance(reply, wire.DataReply):
                     raise from_code(reply.code, reply.message)
                 raise ProtocolError(f"unexpected {type(reply).__name__} on a data connection")
-            self.conns.pushes.put(ch)
+            self.conns.give_back(self.conns.pushes, ch)
 
         parallel.run_all(one, self._streams(ext), "kvxfer-tcp-window")
         return ext.total
@@ -204,7 +204,7 @@ class TcpLink(Link["TcpTransport"]):
                 reusable = True
             finally:
                 if reusable:
-                    self.conns.pulls.put(ch)
+                    self.conns.give_back(self.conns.pulls, ch)
                 else:
                     self.conns.drop(ch)
 

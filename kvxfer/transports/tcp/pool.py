@@ -1,4 +1,10 @@
-"""The data connections of one TCP link: pooled, dialled on demand up to ``streams``, closed with the link."""
+"""The data connections of one TCP link: pooled, dialled on demand up to ``streams``, closed with the link.
+
+A connection a mover holds is only shut down when the link closes, never closed under it: the native movers
+(``_kvx.sendv`` / ``recvv``) work on the raw descriptor number for a whole window, and a number closed under them
+can be reused at once by another socket, pipe or file, which their next call would then write into or read
+from. The shutdown stops the move (its next call fails); the mover closes the connection when it lets go.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from collections.abc import Callable
 
 from ...channel import Channel
 from ...errors import PeerError
+from ...sockets import shutdown
 
 POLL = 0.25  # how often a wait for a free connection looks at cancel / deadline
 
@@ -35,7 +42,17 @@ class Connections:
         return ch
 
     def drop(self, ch: Channel) -> None:
+        """The holder lets go of a connection that failed or ended: closed."""
         with self._lock:
+            self._open.discard(ch)
+        ch.close()
+
+    def give_back(self, pool: queue.Queue[Channel], ch: Channel) -> None:
+        """The holder returns a connection that is still in step: idle in ``pool``, or closed if the link is."""
+        with self._lock:
+            if not self.closed:
+                pool.put(ch)
+                return
             self._open.discard(ch)
         ch.close()
 
@@ -77,14 +94,19 @@ class Connections:
                 check()
 
     def close(self) -> None:
+        """Close the idle connections and shut down those a mover holds (it closes them as it lets go)."""
         with self._lock:
             self.closed = True
-            chans, self._open = list(self._open), set()
-        for ch in chans:
+            idle = []
+            for pool in (self.pushes, self.pulls):
+                while True:
+                    try:
+                        idle.append(pool.get_nowait())
+                    except queue.Empty:
+                        break
+            self._open.difference_update(idle)
+            held = list(self._open)
+        for ch in idle:
             ch.close()
-        for pool in (self.pushes, self.pulls):
-            while True:
-                try:
-                    pool.get_nowait().close()
-                except queue.Empty:
-                    break
+        for ch in held:
+            shutdown(ch.sock)
