@@ -2,7 +2,8 @@
  *
  * - sendv / recvv: scatter/gather socket I/O straight from a plan's extent arrays (region, offset, nbytes) into
  *   registered host regions, IOV_MAX pieces per sendmsg / recvmsg, with the GIL released and no Python object per
- *   piece (building one memoryview per 8 KiB page cost as much as moving it).
+ *   piece (building one memoryview per 8 KiB page cost as much as moving it), on a private duplicate of the
+ *   socket's descriptor.
  * - gather / scatter: the same extents to and from one contiguous buffer (a bounce or staging buffer), one memcpy
  *   per piece on several threads (numpy's indexed copy went through a temporary: two copies).
  * - check_ids: range and duplicate check of a block-id vector in one pass over a bitmap; affine: a plan's
@@ -15,6 +16,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
@@ -23,6 +25,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #define BATCH 1024 /* iovecs per system call: Linux's IOV_MAX */
 
@@ -170,7 +173,16 @@ static PyObject *io(PyObject *args, int sending) {
     uint64_t total;
     if (ext_get(args, &fd, &e, &timeout_ms, &total) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = move(fd, &e, sending, timeout_ms);
+    /* A private descriptor for the whole move: the caller's number, closed meanwhile by another thread, would be
+     * reused by the next socket, pipe or file the process opens, and written into. A shutdown of the socket still
+     * stops the move (it acts on the socket, not on a number). */
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) {
+        ext_release(&e);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_BEGIN_ALLOW_THREADS rc = move(own, &e, sending, timeout_ms);
+    close(own);
     Py_END_ALLOW_THREADS ext_release(&e);
     if (rc == -1) {
         PyErr_SetString(PyExc_EOFError, "connection closed by peer mid-transfer");

@@ -173,6 +173,37 @@ def test_a_shut_down_socket_ends_a_blocked_send():
         send_extents(a, src.bases, src.sizes, 0 * one, 0 * one, one * (8 << 20))
 
 
+def test_a_descriptor_closed_under_a_send_is_not_written_through_once_its_number_is_reused():
+    """A careless close of the socket object while a native send is under way: the send goes on through its own
+    duplicate of the descriptor, and the socket that reuses the freed number receives nothing."""
+    src = Regions(4 << 20)
+    a, b = _pair()
+    pieces = np.arange(4096, dtype=np.int64)  # 1 KiB each: four batches of 1024 iovecs, four sendmsg calls
+    old = a.fileno()
+    got = bytearray()
+    sent: list = []
+    sender = threading.Thread(
+        target=lambda: sent.append(send_extents(a, src.bases, src.sizes, 0 * pieces, pieces << 10, 0 * pieces + 1024))
+    )
+    sender.start()
+    got += b.recv(1 << 16)  # the send is under way and blocked on the small buffers
+    a.close()
+    reuse, witness = socket.socketpair()
+    assert reuse.fileno() == old, "the test needs the freed number reused"
+    while len(got) < 4 << 20:
+        piece = b.recv(1 << 20)
+        assert piece, f"the stream ended after {len(got)} bytes"
+        got += piece
+    sender.join(10)
+    assert not sender.is_alive() and sent == [None]
+    assert bytes(got) == src.arrays[0][: 4 << 20].tobytes()
+    witness.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        witness.recv(1)
+    for s in (reuse, witness, b):
+        s.close()
+
+
 # ---- block ids ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "ids,num_blocks,match",
