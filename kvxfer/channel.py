@@ -7,7 +7,9 @@ I/O straight from and into registered memory) live in ``sockets``; they are re-e
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import ssl
 import threading
 import time
 
@@ -16,25 +18,58 @@ from .errors import DeadlineError, PeerError
 from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, send_views  # noqa: F401
 
 
+SEND_STALL = 5.0  # seconds a send may wait with no byte taken by the peer before the peer counts as gone
+TLS_RECORD = 16 << 10  # what one TLS write sends at most
+
+
 class Channel:
     """One framed, thread-safe-to-send connection."""
 
     CHUNK = 256 << 10  # a frame body is read in pieces of at most this: memory follows what has arrived
 
-    def __init__(self, sock: socket.socket, max_frame: int = wire.MAX_FRAME):
+    def __init__(self, sock: socket.socket, max_frame: int = wire.MAX_FRAME, send_stall: float = SEND_STALL):
         self.sock = sock
         self.max_frame = max_frame
+        self.send_stall = send_stall
         self._send_lock = threading.Lock()
         self.closed = False
 
     def send(self, *msgs) -> None:
-        """Send ``msgs`` in one write (one system call, one wake-up of the peer)."""
-        data = b"".join(wire.encode(m) for m in msgs)
+        """Send ``msgs`` in one write (one system call, one wake-up of the peer).
+
+        A peer that stops reading (stopped, hung) fills its socket buffers; a send then waits for room at most
+        ``send_stall`` seconds without progress and fails with ``PeerError``, so no caller, reaper or session
+        thread blocks forever on it (the caller drops the session: a frame may be half sent).
+        """
+        data = memoryview(b"".join(wire.encode(m) for m in msgs))
         with self._send_lock:
             try:
-                self.sock.sendall(data)
+                self._send_all(data)
             except OSError as e:
                 raise PeerError(f"send failed: {e}") from None
+
+    def _send_all(self, data: memoryview) -> None:
+        tls = isinstance(self.sock, ssl.SSLSocket)
+        stall = time.monotonic() + self.send_stall
+        while data:
+            if tls:  # TLS takes no flags: wait for room, then write at most one record
+                self._wait_writable(stall)
+                n = self.sock.send(data[:TLS_RECORD])
+            else:
+                try:
+                    n = self.sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    self._wait_writable(stall)
+                    continue
+            data = data[n:]
+            stall = time.monotonic() + self.send_stall
+
+    def _wait_writable(self, stall: float) -> None:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        left = stall - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            raise PeerError(f"the peer took no byte for {self.send_stall:g}s: it stopped reading")
 
     def recv(self, timeout: float | None = None, *, max_frame: int | None = None):
         """The next message; ``PeerError`` on EOF or socket error, ``ProtocolError`` on a bad frame.

@@ -1,5 +1,6 @@
 """Faults end in a typed error within the deadline, never a hang, and leak no block, grant or lease."""
 
+import threading
 import time
 
 import numpy as np
@@ -111,6 +112,39 @@ def test_consumer_stopped_hits_the_deadline(remote_consumers, transport):
             t.wait()
         assert time.monotonic() - start < 3.0
         assert not any(s.transfers for s in producer._sessions.values())
+    finally:
+        consumer.cont()
+        producer.close()
+
+
+SMALL = Spec(kind="nhd", num_blocks=64, layers=4, heads=2, block_size=16, head_dim=64, dtype="float16")  # 32 KiB
+
+
+def test_a_consumer_that_stops_reading_blocks_no_caller_and_no_deadline(remote_consumers, transport):
+    """Small pushes carry their bytes in their control messages: a stopped consumer's socket buffers fill after a
+    few hundred. A send then waits for room only so long (``channel.SEND_STALL``) before the session counts as
+    lost: the caller gets its push back, and every transfer ends, none left waiting on a peer that reads nothing."""
+    from kvxfer.channel import SEND_STALL
+
+    consumer = remote_consumers(SMALL)
+    producer, _ = _local_producer(SMALL, transport, inline_max=64 << 10)  # the default: these pushes go inline
+    pushes: list = []
+    try:
+        producer.push(consumer.address, "warm", [0]).wait(10)
+        consumer.stop()
+        start = time.monotonic()
+
+        def submit() -> None:
+            for i in range(400):
+                pushes.append(producer.push(consumer.address, f"r{i}", [i % 64], deadline=1.0))
+
+        pusher = threading.Thread(target=submit, daemon=True)
+        pusher.start()
+        pusher.join(SEND_STALL + 10)
+        assert not pusher.is_alive(), f"push() blocked its caller: {len(pushes)} of 400 submitted"
+        assert wait_for(lambda: all(t.done() for t in pushes), 10)
+        assert time.monotonic() - start < SEND_STALL + 10
+        assert all(isinstance(t.error, (DeadlineError, PeerError)) for t in pushes), {type(t.error) for t in pushes}
     finally:
         consumer.cont()
         producer.close()
