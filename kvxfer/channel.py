@@ -17,7 +17,6 @@ from . import wire
 from .errors import DeadlineError, PeerError
 from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, send_views  # noqa: F401
 
-
 SEND_STALL = 5.0  # seconds a send may wait with no byte taken by the peer before the peer counts as gone
 TLS_RECORD = 16 << 10  # what one TLS write sends at most
 
