@@ -687,8 +687,8 @@ class Consumer(HandleBase):
             s.pulls[msg.req] = (slot, cancel)
         if msg.data:  # the offer carried its bytes (kvxfer.inline): land them here, no read
             self._pull(s, slot, src, cancel, msg.data)
-        else:
-            self.pool.submit(self._pull, s, slot, src, cancel)
+        elif not self._submit(self._pull, s, slot, src, cancel):
+            self._pull_failed(s, slot, ClosedError("consumer closed"))
 
     def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event, data=b"") -> None:
         """Read an offer into the slot's blocks (or land the bytes it carried). The slot is *receiving* while the
@@ -764,6 +764,7 @@ class Consumer(HandleBase):
         if self.closed:
             return
         self.closed = True
+        self.grants.close()
         close(self._listener)
         with self._lock:
             sessions = list(self._sessions.values())

@@ -8,7 +8,6 @@ the same ledger (a slot over the caller's blocks, ``external``), lease, deadline
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -111,9 +110,7 @@ class Fetches:
             if f.req in self.by_req:
                 raise BlockError(f"request {f.req!r} is already being fetched")
             self.by_req[f.req] = f
-        try:
-            c.pool.submit(self._ask, f)
-        except RuntimeError:  # the pool shut down: the consumer closed
+        if not c._submit(self._ask, f):
             self.end(f, ClosedError("consumer closed"))
         return f
 
@@ -131,8 +128,7 @@ class Fetches:
             except KVXferError as e:
                 log.info("kvxfer: could not decline %r at %s: %s", req, address, e)
 
-        with contextlib.suppress(RuntimeError):  # the pool shut down: closed meanwhile, nothing to tell
-            c.pool.submit(tell)
+        c._submit(tell)  # False: closed meanwhile, nothing to tell
 
     # ---- the session and the ask ------------------------------------------------------------------------
     def _session(self, address: str, deadline: float) -> _ConsumerSession:

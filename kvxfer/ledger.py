@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .allocator import Allocator
-from .errors import BlockError, BusyError, CancelledError, KVXferError, ProtocolError, StaleError
+from .errors import BlockError, BusyError, CancelledError, ClosedError, KVXferError, ProtocolError, StaleError
 from .plan import byte_ranges
 
 _generations = itertools.count(1)
@@ -164,8 +164,15 @@ class Grants:
         self.dying: list[Slot] = []
         self.tombstones: dict[str, float] = {}
         self.freed_external: list[Slot] = []  # caller-chosen blocks given back: the caller learns via take_freed
+        self.closed = False  # no admission any more: a session thread may still hand us one it read before
 
     # ---- admission ---------------------------------------------------------------------------------------
+    @_locked
+    def close(self) -> None:
+        """Admit nothing from now on. A closing consumer sweeps its active slots once; a message its session
+        threads read before the close must not add a slot after that sweep, with no reaper left to free it."""
+        self.closed = True
+
     @_locked
     def admit(
         self,
@@ -201,6 +208,8 @@ class Grants:
         ``partial``: a fetch whose caller gathers the other bytes of its blocks itself (one of several producer
         ranks holding other heads or layers) may fill only ``ranges``.
         """
+        if self.closed:
+            raise ClosedError(f"request {req!r}: the consumer is closing")
         if n <= 0:
             raise BlockError(f"cannot admit {n} blocks")
         if self.tombstones.get(req, 0.0) > now:

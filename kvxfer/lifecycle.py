@@ -96,6 +96,15 @@ class HandleBase:
     def _reap(self, now: float) -> None:
         raise NotImplementedError
 
+    def _submit(self, fn, *args) -> bool:
+        """Run ``fn(*args)`` on the worker pool; False once the pool shut down (the handle closed meanwhile:
+        a thread that read a message before the close may still be handling it)."""
+        try:
+            self.pool.submit(fn, *args)
+        except RuntimeError:
+            return False
+        return True
+
     def _check_open(self) -> None:
         if self.closed:
             raise ClosedError("handle is closed")

@@ -310,9 +310,7 @@ class Producer(HandleBase):
         if ready:
             run()
         else:
-            try:
-                self.pool.submit(run)
-            except RuntimeError:  # the pool shut down: the producer closed
+            if not self._submit(run):
                 self._end(t, ClosedError("producer closed"))
         return t
 
@@ -685,9 +683,7 @@ class Producer(HandleBase):
         if t.inline:  # the bytes came with the Admit and have landed: the Ack follows the Grant
             t._mark(Status.COMMITTING, "moved")
             return
-        try:
-            self.pool.submit(self._move, s, t)
-        except RuntimeError:
+        if not self._submit(self._move, s, t):
             self._fail(s, t, ClosedError("producer closed"))
 
     def _move(self, s: _ProducerSession, t: Transfer) -> None:

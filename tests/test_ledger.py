@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvxfer import BlockError, BusyError, CancelledError, DeadlineError, FreeList, StaleError
+from kvxfer import BlockError, BusyError, CancelledError, ClosedError, DeadlineError, FreeList, StaleError
 from kvxfer.ledger import Grants, Leases
 
 
@@ -19,6 +19,17 @@ def test_admit_land_done_release():
     assert g.done(1, "r", slot.gen, 40, {"t": 1}, b"") is None  # bytes not yet landed
     assert g.landed(1, "r", slot.gen, 40) is slot
     assert g.release("r") and g.allocator.num_free == 16
+
+
+def test_a_closed_ledger_admits_nothing_and_keeps_what_it_holds():
+    g = _grants()
+    slot, _ = g.admit(1, "held", 2, 10, 0)
+    g.close()
+    for admit in (lambda: g.admit(1, "push", 2, 10, 0), lambda: g.admit_pull(1, "pull", 2, 10, 0, lease_gen=3)):
+        with pytest.raises(ClosedError):
+            admit()
+    assert g.allocator.num_free == 14 and g.counts()["inflight"] == 1
+    assert g.fail("held", CancelledError("closing"), 0) is slot and g.allocator.num_free == 16
 
 
 def test_busy_and_inflight_bound():

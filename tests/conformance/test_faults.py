@@ -16,6 +16,7 @@ from kvxfer import (
     Producer,
     Status,
     TransportError,
+    wire,
 )
 from procs import TRANSPORT_ONLY
 
@@ -292,3 +293,40 @@ def test_a_queued_push_ends_at_its_own_deadline(transport, behind):
         producer.close()
         for s in silent:
             s.close()
+
+
+@pytest.mark.parametrize("kind", ["admit", "offer"])
+def test_a_request_read_just_before_the_consumer_closed_is_refused_and_leaks_nothing(
+    consumers, transport, kind, caplog
+):
+    """A producer's Admit or Offer that a session thread read just before ``close()`` and handles after it: the
+    closed consumer grants it no block (no reaper is left to free them) and no error escapes into its log. The
+    session thread is held between reading the message and admitting it while the consumer closes."""
+    from .rawpeer import RawPeer
+
+    spec = Spec()
+    consumer = consumers(spec)
+    tensors, kw, _, _ = spec.build(seed=1)
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(spec.layout(tensors, kw), transport), wire.Welcome)
+    c, read, go = consumer.c, threading.Event(), threading.Event()
+    paged = c._paged
+
+    def held(*args):
+        read.set()
+        go.wait(10)
+        return paged(*args)
+
+    c._paged = held
+    if kind == "admit":
+        raw.send(wire.Admit(req="late", num_blocks=3, deadline_ms=5000))
+    else:
+        raw.send(wire.Offer(req="late", gen=1, ids=wire.ids_to_bytes(np.array([1, 2, 3])), lease_ms=5000))
+    assert read.wait(10)
+    c.close()
+    go.set()
+    assert wait_for(lambda: not any(t.name.startswith("kvxfer-worker") for t in threading.enumerate()), 5)
+    time.sleep(0.2)  # the session thread ends its message
+    assert c.allocator.num_free == spec.num_blocks and c.grants.counts()["inflight"] == 0
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    raw.close()

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 
 from conformance.kvspec import Spec
 from procs import TRANSPORT_ONLY, PipedProcess, serve
@@ -26,7 +27,9 @@ class _Untyped(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and record.exc_info[1] is not None:
-            self.sink.append(f"logged {type(record.exc_info[1]).__name__}: {record.getMessage()}")
+            e, tb = record.exc_info[1], traceback.extract_tb(record.exc_info[2])[-1:]
+            where = f" at {tb[0].filename}:{tb[0].lineno}" if tb else ""
+            self.sink.append(f"logged {type(e).__name__}: {record.getMessage()}: {e}{where}")
 
 
 def watch_untyped(sink: list) -> None:
