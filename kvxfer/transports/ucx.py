@@ -284,13 +284,13 @@ class UcxLink(Link[UcxTransport]):
                 raise TransportError(f"UCX request failed: {type(e).__name__}: {e}") from None
 
     def _send(self, data: np.ndarray, tag) -> _Op:
-        self._live()
-        with self.t.calls:
+        with self.t.calls:  # checked and posted under the lock ``close`` takes: never onto a closed endpoint
+            self._live()
             return _Op(self.ep.tag_send(_array(data), tag), data)
 
     def _post(self, buf: np.ndarray, tag) -> _Op:
-        self._live()
         with self.t.calls:
+            self._live()
             return _Op(self.ep.tag_recv(_array(buf), tag), buf)
 
     def _leave(self, ops: list[_Op]) -> None:
@@ -466,8 +466,11 @@ class UcxLink(Link[UcxTransport]):
         return ext.total
 
     def close(self) -> None:
-        """Close the endpoint unless UCX already did: closing one that failed with its peer crashes ucxx."""
-        self.closed = True
-        if self.ep.alive:
-            with contextlib.suppress(Exception):
-                self.ep.close()
+        """Close the endpoint unless UCX already did: closing one that failed with its peer crashes ucxx. A
+        closed ucxx endpoint has no UCP handle, and a request posted on it dereferences that (SIGSEGV): the close
+        takes the lock every post holds, and a post after it finds the link closed."""
+        with self.t.calls:
+            self.closed = True
+            if self.ep.alive:
+                with contextlib.suppress(Exception):
+                    self.ep.close()
