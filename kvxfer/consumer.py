@@ -52,6 +52,8 @@ from .transports.base import Peer, Transport
 
 log = logging.getLogger("kvxfer")
 
+HAND_OFF_WAIT = 5.0  # seconds close() waits at most for hand-offs under way (an on_arrival callback runs in one)
+
 
 class _ConsumerSession:
     """One producer's control connection, and the pulls this consumer runs for it."""
@@ -159,6 +161,8 @@ class Consumer(HandleBase):
         self._sids = itertools.count(1)
         self._per_host: dict[str, int] = {}
         self.fetches = Fetches(self)
+        self._delivering: set[int] = set()  # threads handing a request off now: close() waits for them
+        self._delivered = threading.Condition(self._lock)
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-accept").start()
@@ -559,6 +563,28 @@ class Consumer(HandleBase):
             pull[1].set()
 
     def _deliver(self, slot: Slot, kind: str, grant: wire.Grant | None = None) -> None:
+        """Hand a complete request off (or fail it on its digests). A request completing once ``close()`` began
+        is taken back instead, so nothing is handed off after ``close()`` returned: it waits for hand-offs
+        already under way, and the runtime takes those from ``get()``."""
+        me = threading.get_ident()
+        with self._lock:
+            closing = self.closed
+            if not closing:
+                self._delivering.add(me)
+        if closing:
+            err = ClosedError(f"request {slot.req!r} completed as the consumer closed")
+            if self.grants.revoke(slot, err, time.monotonic()):
+                self._count("failed")
+            self.fetches.finish_freed()
+            return
+        try:
+            self._hand_off(slot, kind, grant)
+        finally:
+            with self._lock:
+                self._delivering.discard(me)
+                self._delivered.notify_all()
+
+    def _hand_off(self, slot: Slot, kind: str, grant: wire.Grant | None) -> None:
         with self._lock:
             s = self._sessions.get(slot.peer)
         err = self._integrity(slot) if kind == "push" else None  # a pull is checked before its release
@@ -761,9 +787,10 @@ class Consumer(HandleBase):
             self._deliver(ready, "push")
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
         self.grants.close()
         close(self._listener)
         with self._lock:
@@ -783,6 +810,8 @@ class Consumer(HandleBase):
         self._close_common()
         self.grants.reap(time.monotonic())
         self.fetches.finish_freed()
+        with self._lock:  # a hand-off under way when the close began: its arrival is queued before we return
+            self._delivered.wait_for(lambda: not self._delivering - {threading.get_ident()}, HAND_OFF_WAIT)
 
 
 def _tell(ch: Channel, msg) -> None:

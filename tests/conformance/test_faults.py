@@ -330,3 +330,36 @@ def test_a_request_read_just_before_the_consumer_closed_is_refused_and_leaks_not
     assert c.allocator.num_free == spec.num_blocks and c.grants.counts()["inflight"] == 0
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []
     raw.close()
+
+
+def test_nothing_is_handed_off_after_close_returned(consumers, transport):
+    """A push whose last message a session thread read just before ``close()`` completes after it: the closed
+    consumer takes it back (its blocks go back, the producer is not acknowledged) instead of queueing an
+    arrival nobody will take once ``close()`` returned."""
+    spec = Spec()
+    consumer = consumers(spec)
+    producer = Producer(spec.layout(*spec.build(seed=1)[:2]), transport=transport)
+    c, done, go = consumer.c, threading.Event(), threading.Event()
+    ready = c.grants.done
+
+    def held(*args):
+        slot = ready(*args)
+        done.set()
+        go.wait(10)
+        return slot
+
+    c.grants.done = held
+    try:
+        t = producer.push(c.address, "late", [1, 2, 3])
+        assert done.wait(10)
+        c.close()
+        go.set()
+        with pytest.raises((PeerError, ClosedError)):
+            t.wait(10)
+        assert wait_for(lambda: c.allocator.num_free == spec.num_blocks, 5)
+        with pytest.raises(DeadlineError):
+            c.get(timeout=0.2)
+        assert c.grants.counts() == {"inflight": 0, "handed": 0, "dying": 0}
+    finally:
+        go.set()
+        producer.close()
