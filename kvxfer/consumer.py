@@ -713,8 +713,9 @@ class Consumer(HandleBase):
             s.pulls[msg.req] = (slot, cancel)
         if msg.data:  # the offer carried its bytes (kvxfer.inline): land them here, no read
             self._pull(s, slot, src, cancel, msg.data)
-        elif not self._submit(self._pull, s, slot, src, cancel):
-            self._pull_failed(s, slot, ClosedError("consumer closed"))
+        else:
+            closed = ClosedError("consumer closed")
+            self._submit(self._pull, s, slot, src, cancel, dropped=lambda: self._pull_failed(s, slot, closed))
 
     def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event, data=b"") -> None:
         """Read an offer into the slot's blocks (or land the bytes it carried). The slot is *receiving* while the

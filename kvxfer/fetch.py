@@ -110,8 +110,7 @@ class Fetches:
             if f.req in self.by_req:
                 raise BlockError(f"request {f.req!r} is already being fetched")
             self.by_req[f.req] = f
-        if not c._submit(self._ask, f):
-            self.end(f, ClosedError("consumer closed"))
+        c._submit(self._ask, f, dropped=lambda: self.end(f, ClosedError("consumer closed")))
         return f
 
     def decline(self, address: str, req: str, reason: str) -> None:
@@ -128,7 +127,7 @@ class Fetches:
             except KVXferError as e:
                 log.info("kvxfer: could not decline %r at %s: %s", req, address, e)
 
-        c._submit(tell)  # False: closed meanwhile, nothing to tell
+        c._submit(tell)  # dropped: closed meanwhile, nothing to tell
 
     # ---- the session and the ask ------------------------------------------------------------------------
     def _session(self, address: str, deadline: float) -> _ConsumerSession:

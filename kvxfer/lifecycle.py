@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import transports
@@ -96,14 +97,15 @@ class HandleBase:
     def _reap(self, now: float) -> None:
         raise NotImplementedError
 
-    def _submit(self, fn, *args) -> bool:
-        """Run ``fn(*args)`` on the worker pool; False once the pool shut down (the handle closed meanwhile:
-        a thread that read a message before the close may still be handling it)."""
+    def _submit(self, fn, *args, dropped: Callable[[], None] = lambda: None) -> None:
+        """Run ``fn(*args)`` on the worker pool, or ``dropped()`` if it never will: the pool shut down before
+        (a thread that read a message before the close may still be handling it) or cancelled the task at the
+        close while it waited for a worker. Whatever the task would have ended then ends in ``dropped``."""
         try:
-            self.pool.submit(fn, *args)
+            future = self.pool.submit(fn, *args)
         except RuntimeError:
-            return False
-        return True
+            return dropped()
+        future.add_done_callback(lambda f: dropped() if f.cancelled() else None)
 
     def _check_open(self) -> None:
         if self.closed:

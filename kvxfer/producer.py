@@ -162,8 +162,12 @@ class Producer(HandleBase):
                     return s
             s = self._handshake(address, min(self.connect_timeout, max(0.05, deadline - time.monotonic())))
             with self._lock:
-                self._check_open()
-                self._sessions[address] = s
+                closed = self.closed
+                if not closed:
+                    self._sessions[address] = s
+            if closed:  # close() began during the handshake: the new session goes with it
+                self._session_lost(s, ClosedError("producer closed"))
+                raise ClosedError("producer closed")
             s.thread.start()
             return s
 
@@ -292,15 +296,18 @@ class Producer(HandleBase):
         """Enroll ``t`` in its consumer's session and ``send`` its first message: here when the session is up,
         else on the worker pool, so ``push`` and ``offer`` never wait for a connection or a handshake."""
 
+        def ended(e: KVXferError) -> None:  # a handshake cut short by close() is the close, whatever broke first
+            with self._lock:
+                self._launching.discard(t)
+            self._end(t, ClosedError("producer closed") if self.closed else e)
+
         def run() -> None:
             if t.done():
                 return
             try:
                 send(self._enroll(t), t)
-            except KVXferError as e:  # a handshake cut short by close() is the close, whatever broke first
-                with self._lock:
-                    self._launching.discard(t)
-                self._end(t, ClosedError("producer closed") if self.closed else e)
+            except KVXferError as e:
+                ended(e)
 
         with self._lock:
             s = self._sessions.get(t.address)
@@ -310,8 +317,7 @@ class Producer(HandleBase):
         if ready:
             run()
         else:
-            if not self._submit(run):
-                self._end(t, ClosedError("producer closed"))
+            self._submit(run, dropped=lambda: ended(ClosedError("producer closed")))
         return t
 
     def push(
@@ -683,8 +689,7 @@ class Producer(HandleBase):
         if t.inline:  # the bytes came with the Admit and have landed: the Ack follows the Grant
             t._mark(Status.COMMITTING, "moved")
             return
-        if not self._submit(self._move, s, t):
-            self._fail(s, t, ClosedError("producer closed"))
+        self._submit(self._move, s, t, dropped=lambda: self._fail(s, t, ClosedError("producer closed")))
 
     def _move(self, s: _ProducerSession, t: Transfer) -> None:
         if t.done():  # cancelled, superseded or timed out before its turn: not a byte moves
@@ -743,9 +748,10 @@ class Producer(HandleBase):
         """Reads need no accounting here: the consumer's ``Released`` ends the lease."""
 
     def close(self) -> None:
-        if self.closed:
-            return
-        with self._lock:
+        with self._lock:  # from here no push, offer or hold starts, and no new session registers
+            if self.closed:
+                return
+            self.closed = True
             sessions = list(self._sessions.values())
         if self._listener is not None:
             close_socket(self._listener)

@@ -1,5 +1,6 @@
 """Faults end in a typed error within the deadline, never a hang, and leak no block, grant or lease."""
 
+import itertools
 import threading
 import time
 
@@ -363,3 +364,42 @@ def test_nothing_is_handed_off_after_close_returned(consumers, transport):
     finally:
         go.set()
         producer.close()
+
+
+def test_every_push_started_around_a_producer_close_ends(consumers, transport):
+    """Callers keep pushing from two threads while another closes the producer: every transfer they got ends
+    (done, or a typed error) within seconds. A push waiting on the worker pool for its session when the close
+    cancelled the pool's queue stayed pending for good."""
+    spec = Spec()
+    consumer = consumers(spec)
+    tensors, kw, _, _ = spec.build(seed=1)
+    for rnd in range(4):
+        producer = Producer(spec.layout(tensors, kw), transport=transport, deadline=3.0)
+        started: list = []
+        stop = threading.Event()
+
+        def push(name: str, producer=producer, started=started, stop=stop, rnd=rnd) -> None:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                try:
+                    started.append(producer.push(consumer.address, f"{name}-{rnd}-{i}", [i % spec.num_blocks]))
+                except ClosedError:
+                    return
+
+        threads = [threading.Thread(target=push, args=(f"t{k}",)) for k in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.01 * (rnd + 1))
+        producer.close()
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert started and wait_for(lambda started=started: all(t.done() for t in started), 5)
+        assert {type(t.error) for t in started if t.error is not None} <= {ClosedError, PeerError, BusyError}
+        while True:
+            try:
+                consumer.release(consumer.get(timeout=0.5).req)
+            except DeadlineError:
+                break
+        assert wait_for(lambda: _settled(consumer, spec.num_blocks), 5)
