@@ -43,10 +43,11 @@ from .errors import (
 from .fetch import Fetch, Fetches
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
-from .lifecycle import REAP_INTERVAL, HandleBase, ms
+from .lifecycle import REAP_INTERVAL, HandleBase, given_seconds, ms, wait_limit
 from .plan import check_ids
 from .shard import Selection, coverage
 from .sockets import close
+from .sockets import listen as listen_on
 from .transfer import Arrival
 from .transports.base import Peer, Transport
 
@@ -136,9 +137,11 @@ class Consumer(HandleBase):
         self.max_sessions_per_host = max_sessions_per_host
         self.max_msgs_per_sec = max_msgs_per_sec
         self.tls = tls
-        super().__init__(layout, transport, auth, transport_options, peer_id, workers)
-        self._inline = inline.Inline(layout) if inline.Inline.usable(layout) else None
-        self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
+        self.deadline = given_seconds(deadline, "deadline")  # every option is checked before anything opens
+        self.handshake_timeout = given_seconds(handshake_timeout, "handshake_timeout")
+        if max_frame < inline.FRAME:
+            raise ConfigError(f"max_frame must hold an inline request ({inline.FRAME} bytes), got {max_frame}")
+        self.max_frame = max_frame
         self.allocator = allocator or FreeList(layout.num_blocks)
         self.grants = Grants(
             self.allocator,
@@ -149,11 +152,14 @@ class Consumer(HandleBase):
             quarantine=quarantine,
             max_inflight_per_peer=max_inflight_per_peer,
         )
-        self.deadline = deadline
-        if max_frame < inline.FRAME:
-            raise ConfigError(f"max_frame must hold an inline request ({inline.FRAME} bytes), got {max_frame}")
-        self.max_frame = max_frame
-        self.handshake_timeout = handshake_timeout
+        self._listener = listen_on((host, port))
+        try:
+            super().__init__(layout, transport, auth, transport_options, peer_id, workers)
+        except BaseException:
+            close(self._listener)
+            raise
+        self._inline = inline.Inline(layout) if inline.Inline.usable(layout) else None
+        self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.on_arrival = on_arrival
         self.arrivals: queue.Queue[Arrival] = queue.Queue()
         self.counters = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "bytes": 0}
@@ -163,7 +169,6 @@ class Consumer(HandleBase):
         self.fetches = Fetches(self)
         self._delivering: set[int] = set()  # threads handing a request off now: close() waits for them
         self._delivered = threading.Condition(self._lock)
-        self._listener = socket.create_server((host, port), backlog=128)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-accept").start()
         self._reaper.start()
@@ -172,7 +177,7 @@ class Consumer(HandleBase):
     def get(self, timeout: float | None = None) -> Arrival:
         """The next arrived request; ``DeadlineError`` if none arrives within ``timeout``."""
         try:
-            return self.arrivals.get(timeout=timeout)
+            return self.arrivals.get(timeout=wait_limit(timeout))
         except queue.Empty:
             raise DeadlineError(f"no arrival within {timeout}s") from None
 

@@ -28,7 +28,7 @@ from .errors import (
     PeerError,
     from_code,
 )
-from .lifecycle import deadline_in, gate
+from .lifecycle import deadline_in, gate, given_seconds
 from .plan import check_ids
 from .transfer import Status, Transfer
 
@@ -100,8 +100,8 @@ class Fetches:
             raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
         if not 1 <= int(readers) <= wire.MAX_READERS:
             raise BlockError(f"readers must be within [1, {wire.MAX_READERS}], got {readers}")
-        seconds = c.deadline if deadline is None else deadline
-        f = Fetch(str(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
+        seconds = c.deadline if deadline is None else given_seconds(deadline, "deadline")
+        f = Fetch(wire.check_req(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
         f.tokens = len(ids) * bs if tokens is None else int(tokens)
         f.from_token = None if from_token is None else int(from_token)
         f.readers, f.partial = int(readers), bool(partial)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +20,16 @@ from typing import Any
 import numpy as np
 
 from .allocator import Allocator
-from .errors import BlockError, BusyError, CancelledError, ClosedError, KVXferError, ProtocolError, StaleError
+from .errors import (
+    BlockError,
+    BusyError,
+    CancelledError,
+    ClosedError,
+    ConfigError,
+    KVXferError,
+    ProtocolError,
+    StaleError,
+)
 from .plan import byte_ranges
 
 _generations = itertools.count(1)
@@ -151,6 +162,12 @@ class Grants:
         retry_after: float = 0.05,
         max_inflight_per_peer: int | None = None,
     ):
+        for name, value in (("tombstone_ttl", tombstone_ttl), ("quarantine", quarantine), ("retry_after", retry_after)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+                raise ConfigError(f"{name} must be a finite number of seconds, 0 or more, got {value!r}")
+        for name, count in (("max_inflight", max_inflight), ("max_inflight_per_peer", max_inflight_per_peer or 1)):
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError(f"{name} must be a whole number, 1 or more, got {count!r}")
         self.allocator = allocator
         self.block_bytes = block_bytes
         self.max_inflight = max_inflight

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import numbers
 import os
 import socket
 import threading
@@ -13,13 +15,31 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import transports
-from .errors import ClosedError, DeadlineError, KVXferError, TransportError
+from .errors import ClosedError, ConfigError, DeadlineError, KVXferError, TransportError
 from .layout import KVLayout
 from .transports.base import Transport
 
 log = logging.getLogger("kvxfer")
 
 REAP_INTERVAL = 0.02
+
+
+def given_seconds(value, what: str) -> float:
+    """A deadline, lease or timeout a caller gave: a finite number of seconds above zero, else ``ConfigError``
+    (NaN and infinity would pass every comparison, or none, and end no wait)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ConfigError(f"{what} must be a finite number of seconds above zero, got {value!r}")
+    return float(value)
+
+
+def wait_limit(timeout) -> float | None:
+    """A wait's ``timeout``: ``None`` waits until the thing happens, zero or less only looks (as a deadline
+    already reached would); anything but a number is a ``ConfigError``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
+        raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    return max(0.0, float(timeout))
 
 
 def deadline_in(seconds: float) -> float:
@@ -73,6 +93,8 @@ class HandleBase:
         peer_id: str | None,
         workers: int,
     ):
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be a whole number of threads, 1 or more, got {workers!r}")
         self.layout = layout
         self.auth = auth
         self.peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -35,10 +35,11 @@ from .errors import (
 )
 from .layout import KVLayout
 from .ledger import Lease, Leases
-from .lifecycle import HandleBase, deadline_in, gate, ms
+from .lifecycle import HandleBase, deadline_in, gate, given_seconds, ms
 from .plan import check_ids
 from .shard import Selection, held, held_layers, sharded, staged
 from .sockets import close as close_socket
+from .sockets import listen as listen_on
 from .transfer import Status, Transfer, _attempts
 from .transports.base import Peer, Transport
 
@@ -126,13 +127,19 @@ class Producer(HandleBase):
             raise ConfigError("fetching over TLS is not supported yet: give listen= or tls=, not both")
         where = parse_address(listen) if listen is not None else None
         options = dict(transport_options or {}, **({"tls": tls} if tls is not None else {}))
-        super().__init__(layout, transport, auth, options, peer_id, workers)
+        self.deadline = given_seconds(deadline, "deadline")  # every option is checked before anything opens
+        self.lease = given_seconds(lease, "lease")
+        self.connect_timeout = given_seconds(connect_timeout, "connect_timeout")
+        self._listener: socket.socket | None = None if where is None else listen_on(where)
+        try:
+            super().__init__(layout, transport, auth, options, peer_id, workers)
+        except BaseException:
+            if self._listener is not None:
+                close_socket(self._listener)
+            raise
         self.inline_max = inline_max
         self._inline = inline.Inline(layout) if inline_max and inline.Inline.usable(layout) else None
         self.tls = tls
-        self.deadline = deadline
-        self.lease = lease
-        self.connect_timeout = connect_timeout
         self.max_frame = max_frame
         self.leases = Leases()
         self._sessions: dict[str, _ProducerSession] = {}
@@ -141,9 +148,7 @@ class Producer(HandleBase):
         self._holds: dict[str, Transfer] = {}
         self._launching: set[Transfer] = set()  # waiting for a worker or a session: the reaper ends them in time
         self.address: str | None = None
-        self._listener: socket.socket | None = None
-        if where is not None:
-            self._listener = socket.create_server(where, backlog=128)
+        if where is not None and self._listener is not None:
             self.address = f"{where[0]}:{self._listener.getsockname()[1]}"
             threading.Thread(target=self._accept_loop, daemon=True, name="kvxfer-producer-accept").start()
         self._reaper.start()
@@ -262,8 +267,8 @@ class Producer(HandleBase):
             bs = self.layout.fingerprint.block_size
             if not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
                 raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
-        seconds = self.deadline if deadline is None else deadline
-        t = Transfer(str(req), kind, address, ids, self.layout.block_bytes, deadline_in(seconds))
+        seconds = self.deadline if deadline is None else given_seconds(deadline, "deadline")
+        t = Transfer(wire.check_req(req), kind, address, ids, self.layout.block_bytes, deadline_in(seconds))
         t.tokens = None if tokens is None else int(tokens)
         t._on_cancel = self._cancelled
         return t
@@ -358,8 +363,10 @@ class Producer(HandleBase):
         them and receives them token for token.
         """
         t = self._start("push", address, req, block_ids, deadline, tokens)
-        t.meta = dict(meta or {})
+        t.meta, t.meta_size = wire.check_meta(meta)
         own = held_layers(self.layout)
+        if not 0 <= int(part) < int(senders):
+            raise BlockError(f"part {part} of {senders} senders: senders must be 1 or more, part within them")
         if digests and (senders > 1 or heads is not None):
             raise BlockError("per-block digests cover whole blocks: not for a part of a request")
         hs = ls = None
@@ -409,7 +416,8 @@ class Producer(HandleBase):
             return b""
         paging = s.link.paging()
         chunks = None if tokens is None else paging.chunks(tokens)
-        if paging.nbytes(len(ids) if chunks is None else chunks) > self.inline_max:
+        nbytes = paging.nbytes(len(ids) if chunks is None else chunks)
+        if nbytes > self.inline_max or nbytes + t.meta_size > inline.LIMIT:  # meta and bytes share the frame
             return b""
         t.inline = True
         return self._inline.pack(paging.side(True, ids, chunks, self.layout.num_blocks))
@@ -428,9 +436,9 @@ class Producer(HandleBase):
         """Offer blocks for ``address`` to pull; the transfer ends when the consumer released them (the
         producer may then free them) or when the lease runs out (``LeaseExpiredError``). ``tokens`` as for
         ``push``."""
-        seconds = self.lease if lease is None else lease
+        seconds = self.lease if lease is None else given_seconds(lease, "lease")
         t = self._start("pull", address, req, block_ids, seconds, tokens)
-        t.meta = dict(meta or {})
+        t.meta, t.meta_size = wire.check_meta(meta)
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         return self._launch(t, self._offer)
 
@@ -470,9 +478,9 @@ class Producer(HandleBase):
         (``LeaseExpiredError``) or ``cancel``; only then may the caller reuse them."""
         if self.address is None:
             raise ConfigError("hold() needs a producer that listens (Producer(listen=...))")
-        seconds = self.lease if lease is None else lease
+        seconds = self.lease if lease is None else given_seconds(lease, "lease")
         t = self._start("hold", self.address, req, block_ids, seconds, tokens)
-        t.meta = dict(meta or {})
+        t.meta, t.meta_size = wire.check_meta(meta)
         t.digests = block_digests(self.layout, t.src_ids) if digests else b""
         t.ticket = {
             "address": self.address,
@@ -561,7 +569,7 @@ class Producer(HandleBase):
     def _read_of(self, t: Transfer, s: _ProducerSession) -> Transfer:
         """A read of hold ``t`` (under ``_lock``) by one of its several readers: a transfer of its own."""
         r = Transfer(t.req, "hold", s.address, t.src_ids, self.layout.block_bytes, t.deadline)
-        r.meta, r.digests, r.tokens, r.hold = t.meta, t.digests, t.tokens, t
+        r.meta, r.meta_size, r.digests, r.tokens, r.hold = t.meta, t.meta_size, t.digests, t.tokens, t
         r._on_cancel = self._cancelled
         t.reads.append(r)
         return r

@@ -56,6 +56,15 @@ def close(sock: socket.socket) -> None:
         sock.close()
 
 
+def listen(where: tuple[str, int]) -> socket.socket:
+    """A socket listening on ``where``; ``ConfigError`` when this host cannot (the port is taken, the address
+    is not one of this host's)."""
+    try:
+        return socket.create_server(where, backlog=128)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {where[0]}:{where[1]}: {e.strerror or e}") from None
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``"host:port"`` (IPv6 as ``"[::1]:port"``) -> (host, port); anything else is a ``ConfigError``."""
     if not isinstance(address, str):

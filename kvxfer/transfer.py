@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CancelledError, DeadlineError, KVXferError
+from .lifecycle import wait_limit
 from .shard import Selection
 
 log = logging.getLogger("kvxfer")
@@ -51,6 +52,7 @@ class Transfer:
         self._descriptors: int | Callable[[], int] = 0
         self.attempt = next(_attempts)
         self.meta: dict[str, Any] = {}
+        self.meta_size = 1  # encoded bytes of ``meta`` (an empty map takes one)
         self.override: np.ndarray | None = None
         self.part_of: Selection | None = None  # one part of a multi-sender push: only these layers or heads
         self.senders, self.part = 1, 0  # multi-sender: this push is part ``part`` of ``senders``
@@ -81,12 +83,12 @@ class Transfer:
 
     def wait_ended(self, timeout: float) -> bool:
         """Whether the transfer ended within ``timeout`` seconds (no error raised)."""
-        return self._ended.wait(timeout)
+        return self._ended.wait(wait_limit(timeout))
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
-        limit = max(0.0, self.deadline - time.monotonic()) + 1.0
-        if not self._ended.wait(limit if timeout is None else min(timeout, limit)):
+        limit, asked = max(0.0, self.deadline - time.monotonic()) + 1.0, wait_limit(timeout)
+        if not self._ended.wait(limit if asked is None else min(asked, limit)):
             raise DeadlineError(f"transfer {self.req!r} still {self.status.value} after waiting")
         if self.error is not None:
             raise self.error

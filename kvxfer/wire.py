@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 import numpy as np
 
-from .errors import BlockError, ProtocolError
+from .errors import BlockError, ConfigError, ProtocolError
 
 VERSION = 3  # 2: mutual authentication, meaningful fingerprints, strict decoding; 3: fetch (consumer-initiated)
 MAX_FRAME = 64 << 20
@@ -43,6 +43,8 @@ MAX_SEGMENTS = 1 << 16
 MAX_BLOCKS = 1 << 32  # block ids travel as uint32
 META_DEPTH = 4  # containers a meta value may nest, below the meta dict itself
 META_ITEMS = 1024  # entries of any one dict or list inside meta
+META_BYTES = 1 << 20  # the most a request's meta may take encoded (checked where a caller hands it in)
+MAX_REQ = 1 << 12  # characters of a request id a caller may choose
 _LEN = struct.Struct(">I")
 
 U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
@@ -337,6 +339,30 @@ Message = (
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+def check_meta(meta) -> tuple[dict[str, Any], int]:
+    """A caller's ``meta`` as the wire carries it, and its encoded size; ``ConfigError`` if the wire cannot
+    (not JSON-like, keys not strings, nested or sized past the limits), before it reaches a peer: a consumer
+    refuses such a message by ending the whole session."""
+    try:
+        checked = msgspec.convert({} if meta is None else meta, Meta, strict=True)
+        size = len(_encoder.encode(checked))
+    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+        raise ConfigError(f"meta must be a JSON-like dict with string keys: {e}") from None
+    if size > META_BYTES:
+        raise ConfigError(f"meta takes {size} bytes encoded, more than {META_BYTES}")
+    return checked, size
+
+
+def check_req(req) -> str:
+    """A caller's request id: a non-empty string of at most ``MAX_REQ`` characters (ints are taken as text)."""
+    if isinstance(req, bool) or not isinstance(req, (str, int)):
+        raise ConfigError(f"a request id must be a string, got {type(req).__name__}")
+    text = str(req)
+    if not 0 < len(text) <= MAX_REQ:
+        raise ConfigError(f"a request id must have 1 to {MAX_REQ} characters, got {len(text)}")
+    return text
 
 
 def encode(msg: _Msg) -> bytes:

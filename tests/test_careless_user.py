@@ -1,12 +1,13 @@
 """What a careless user meets: every mistake is a kvxfer error that says what is wrong."""
 
+import os
 import socket
 import threading
 
 import numpy as np
 import pytest
 
-from kvxfer import ConfigError, Consumer, KVLayout, Producer, ProtocolError
+from kvxfer import BlockError, ConfigError, Consumer, DeadlineError, KVLayout, Producer, ProtocolError
 
 
 def _layout():
@@ -34,3 +35,119 @@ def test_pushing_to_an_http_port_says_so():
     with Producer(_layout(), transport="tcp") as p, pytest.raises(ProtocolError, match="HTTP"):
         p.push(f"127.0.0.1:{server.getsockname()[1]}", "r", [1]).wait(5)
     server.close()
+
+
+@pytest.fixture
+def pair():
+    with Consumer(_layout(), transport="tcp") as c, Producer(_layout(), transport="tcp", listen="127.0.0.1:0") as p:
+        yield p, c
+
+
+BAD_SECONDS = [0, -1, float("nan"), float("inf"), "soon", None, True]
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS)
+def test_deadlines_and_leases_that_are_no_number_of_seconds_are_config_errors(pair, value):
+    """NaN and infinity pass or fail every comparison: a wait on them ends never or at once, and turning them
+    into the wire's milliseconds raised ValueError / OverflowError out of push()."""
+    p, c = pair
+    calls = [
+        lambda: p.push(c.address, "r", [1], deadline=value),
+        lambda: p.offer(c.address, "r", [1], lease=value),
+        lambda: p.hold("r", [1], lease=value),
+        lambda: c.fetch(p.address, "r", [1], deadline=value),
+        lambda: Producer(_layout(), transport="tcp", deadline=value),
+        lambda: Consumer(_layout(), transport="tcp", deadline=value),
+    ]
+    for call in calls[4:] if value is None else calls:  # None: a call's "the handle's default"
+        with pytest.raises(ConfigError):
+            call()
+    assert c.stats()["free_blocks"] == 8 and not p.leases.active
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"x": object()},
+        {1: "a"},
+        {"x": "a" * (2 << 20)},
+        {"x": b"raw"},
+        ["not", "a", "dict"],
+        {"x": {"y": {"z": {"w": {"v": [1]}}}}},
+    ],
+)
+def test_meta_the_wire_cannot_carry_is_refused_before_it_costs_the_session(pair, meta):
+    """The consumer ends a whole session on a message it cannot decode: a bad meta must fail its own call, and
+    the session's other transfers go on."""
+    p, c = pair
+    for call in (lambda: p.push(c.address, "r", [1], meta=meta), lambda: p.offer(c.address, "r", [1], meta=meta)):
+        with pytest.raises(ConfigError, match="meta"):
+            call()
+    p.push(c.address, "fine", [2], meta={"first_token": 7}).wait(5)
+    a = c.get(5)
+    assert (a.req, a.meta) == ("fine", {"first_token": 7}) and c.release("fine")
+
+
+@pytest.mark.parametrize("req", ["", "r" * 5000, None, 1.5, b"bytes", True])
+def test_request_ids_that_are_empty_huge_or_not_text_are_config_errors(pair, req):
+    p, c = pair
+    for call in (lambda: p.push(c.address, req, [1]), lambda: c.fetch(p.address, req, [1])):
+        with pytest.raises(ConfigError, match="request id"):
+            call()
+
+
+def test_waits_take_a_negative_timeout_as_a_look_and_nan_as_a_mistake(pair):
+    p, c = pair
+    t = p.push(c.address, "r", [1])
+    assert t.wait(5) is t and t.wait(-1) is t and t.wait_ended(-3)
+    assert c.get(timeout=5).req == "r" and c.release("r")
+    with pytest.raises(DeadlineError):
+        c.get(timeout=-1)
+    for wait in (lambda: c.get(timeout=float("nan")), lambda: t.wait(float("nan")), lambda: c.get(timeout="1")):
+        with pytest.raises(ConfigError):
+            wait()
+
+
+def test_a_part_outside_its_senders_is_refused_at_the_source(pair):
+    p, c = pair
+    for senders, part in ((0, 0), (2, 2), (2, -1)):
+        with pytest.raises(BlockError, match="senders"):
+            p.push(c.address, "r", [1], senders=senders, part=part, layers=[0])
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"workers": 0},
+        {"max_inflight": 0},
+        {"quarantine": -1},
+        {"quarantine": float("nan")},
+        {"tombstone_ttl": float("inf")},
+        {"retry_after": "soon"},
+        {"handshake_timeout": 0},
+    ],
+)
+def test_consumer_options_out_of_range_are_config_errors_and_open_nothing(options):
+    """A NaN quarantine kept failed blocks for good; workers=0 raised ValueError; nothing may stay open."""
+    before = _open_fds()
+    with pytest.raises(ConfigError):
+        Consumer(_layout(), transport="tcp", **options)
+    assert _open_fds() <= before
+
+
+def test_listening_where_this_host_cannot_is_a_config_error_and_opens_nothing():
+    """A taken port or a foreign address raised OSError, after the transports (a NIXL agent) were opened."""
+    with Consumer(_layout(), transport="tcp") as c:
+        before = _open_fds()
+        for make in (
+            lambda: Consumer(_layout(), transport="tcp", listen=c.address),
+            lambda: Producer(_layout(), transport="tcp", listen=c.address),
+            lambda: Consumer(_layout(), transport="tcp", listen="192.0.2.1:0"),  # TEST-NET-1: never this host's
+        ):
+            with pytest.raises(ConfigError, match="cannot listen"):
+                make()
+        assert _open_fds() <= before

@@ -43,6 +43,9 @@ def test_parse_claim_and_settings(vh):
         {"kvxfer": {"consumer": "decode-2:7001"}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "meta": "x"}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": object()}}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": b"bytes"}}},  # encodable, but the wire's meta is JSON-like
+        {"kvxfer": {"consumer": "10.0.0.1:1", "meta": {"f": "x" * (2 << 20)}}},
+        {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": "r" * 5000}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "deadline": -1}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "request_id": ""}},
         {"kvxfer": {"consumer": "10.0.0.1:1", "lease": 5}},  # a lease is for a hold

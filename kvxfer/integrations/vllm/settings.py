@@ -8,9 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from ... import inline
+from ... import inline, wire
 from ...channel import parse_address
 from ...errors import ConfigError
 from .ranks import ports_fit
@@ -255,12 +253,11 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
         tid = spec.get("request_id", req_id)
         if not isinstance(tid, str) or not tid:
             raise ValueError('"request_id" must be a non-empty string')
-        claim.transfer_id = tid
+        claim.transfer_id = wire.check_req(tid)
         meta = spec.get("meta", {})
         if not isinstance(meta, dict):
             raise ValueError('"meta" must be an object')
-        msgspec.msgpack.encode(meta)  # it travels in the Admit / Offer message
-        claim.meta = meta
+        claim.meta = wire.check_meta(meta)[0]  # it travels in the Admit / Offer message
         if spec.get("deadline") is not None:
             d = float(spec["deadline"])
             if not d > 0:
@@ -275,6 +272,6 @@ def parse_claim(params: Any, req_id: str, settings: Settings) -> Claim | None:
             claim.lease = min(lease, settings.lease)
         if spec.get("digests") is not None:
             claim.digests = bool(spec["digests"])
-    except (ValueError, TypeError, msgspec.EncodeError) as e:
+    except (ValueError, TypeError, ConfigError) as e:
         claim.error = f"bad kv_transfer_params[{PARAMS_KEY!r}]: {e}"
     return claim
