@@ -491,7 +491,7 @@ class Consumer(HandleBase):
             raise BlockError(f"request {slot.req!r}: this consumer's device memory takes no inline bytes")
         if len(data) != slot.nbytes:
             raise BlockError(f"request {slot.req!r}: {len(data)} bytes inline, its blocks take {slot.nbytes}")
-        self._inline.unpack(s.link.paging().side(False, slot.ids, slot.chunks, self.layout.num_blocks), data)
+        self._inline.unpack(s.link.paging(), slot.ids, slot.chunks, data)
         return len(data)
 
     def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit) -> None:

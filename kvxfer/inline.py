@@ -7,10 +7,12 @@ anyway); larger requests move zero-copy over the transport.
 
 from __future__ import annotations
 
-from . import wire
+import numpy as np
+
+from . import _kvx, wire
 from .layout import KVLayout
 from .memory import HOST
-from .plan import Extents
+from .paging import Paging
 from .staging.engine import HostEngine, Slot
 
 LIMIT = wire.INLINE_MAX  # the most bytes a message may carry (the wire's bound; a producer's default is lower)
@@ -19,19 +21,34 @@ DEFAULT = 64 << 10  # a producer inlines requests of at most this many bytes unl
 
 
 class Inline:
-    """Packs and unpacks one layout's extents to and from message bytes (the host engine's native copies)."""
+    """Packs one layout's blocks into message bytes and unpacks them back (native copies). Blocks paged alike
+    on both sides are copied straight from their ids and the side's piece table (``_kvx.gather_blocks``): a
+    small request's extents cost more to build than its bytes to copy; other pagings go through extents."""
 
     def __init__(self, layout: KVLayout):
         self.engine = HostEngine(layout.regions)
+        self.num_blocks = layout.num_blocks
 
     @staticmethod
     def usable(layout: KVLayout) -> bool:
         return layout.device == HOST
 
-    def pack(self, ext: Extents) -> bytes:
+    def pack(self, paging: Paging, ids: np.ndarray, chunks: int | None) -> bytes:
+        """The bytes of source blocks ``ids`` (``chunks`` of them when the sides page differently)."""
+        if paging.k == 1 and chunks in (None, len(ids)):
+            p = paging.pairings[0]
+            e = self.engine
+            return _kvx.gather_blocks(e.bases, e.sizes, p.a.region, p.a.offset, p.a.stride, p.nbytes, ids)
+        ext = paging.side(True, ids, chunks, self.num_blocks)
         slot = self.engine.slot(ext.total)
         self.engine.gather(ext, slot)
         return bytes(slot.view)
 
-    def unpack(self, ext: Extents, data: bytes) -> None:
-        self.engine.scatter(Slot(memoryview(data), len(data)), ext)
+    def unpack(self, paging: Paging, ids: np.ndarray, chunks: int | None, data: bytes) -> None:
+        """Scatter ``data`` into destination blocks ``ids``; its length is the caller's to check."""
+        if paging.k == 1 and chunks in (None, len(ids)):
+            p = paging.pairings[0]
+            e = self.engine
+            _kvx.scatter_blocks(e.bases, e.sizes, p.b.region, p.b.offset, p.b.stride, p.nbytes, ids, data)
+            return
+        self.engine.scatter(Slot(memoryview(data), len(data)), paging.side(False, ids, chunks, self.num_blocks))

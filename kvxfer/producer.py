@@ -420,7 +420,7 @@ class Producer(HandleBase):
         if nbytes > self.inline_max or nbytes + t.meta_size > inline.LIMIT:  # meta and bytes share the frame
             return b""
         t.inline = True
-        return self._inline.pack(paging.side(True, ids, chunks, self.layout.num_blocks))
+        return self._inline.pack(paging, ids, chunks)
 
     def offer(
         self,

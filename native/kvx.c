@@ -6,6 +6,8 @@
  *   socket's descriptor.
  * - gather / scatter: the same extents to and from one contiguous buffer (a bounce or staging buffer), one memcpy
  *   per piece on several threads (numpy's indexed copy went through a temporary: two copies).
+ * - gather_blocks / scatter_blocks: a small request's pieces straight from its block ids and one layout side's
+ *   piece table, into new bytes or out of a message (building its extents cost more than copying it).
  * - check_ids: range and duplicate check of a block-id vector in one pass over a bitmap; affine: a plan's
  *   offsets (ids * stride + offset) in one pass; run_starts: where runs of consecutive ids begin, in one pass.
  *
@@ -304,6 +306,93 @@ static PyObject *copy(PyObject *args, int gathering) {
 static PyObject *gather(PyObject *self, PyObject *args) { return copy(args, 1); }
 static PyObject *scatter(PyObject *self, PyObject *args) { return copy(args, 0); }
 
+/* ---- gather / scatter straight from block ids (a small request's inline bytes) -------------------------------- */
+
+/* Every (piece k, block ids[j]) of one layout side, piece-major (the stream order of that side's extents):
+ * bases[region[k]] + offset[k] + ids[j] * stride[k], nbytes[k] bytes, each checked against its region first.
+ * Copies into buf (gathering) or out of it; -1 with a ValueError set when a piece is outside its region or
+ * buf is not exactly their total. The extents of a small request cost more to build than to copy. */
+static int blocks_copy(const Vec *bases, const Vec *sizes, const Vec *region, const Vec *offset, const Vec *stride,
+                       const Vec *nbytes, const Vec *ids, char *buf, Py_ssize_t buflen, int gathering) {
+    Py_ssize_t p = region->len, n = ids->len;
+    if (offset->len != p || stride->len != p || nbytes->len != p || sizes->len != bases->len) {
+        PyErr_SetString(PyExc_ValueError, "piece vectors differ in length");
+        return -1;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < p; k++) {
+        int64_t r = vec_at(region, k), off = vec_at(offset, k), st = vec_at(stride, k), nb = vec_at(nbytes, k);
+        if (r < 0 || r >= bases->len || off < 0 || st < 0 || nb < 0) {
+            PyErr_Format(PyExc_ValueError, "piece %zd (region %lld) is not a piece of these regions", k, (long long)r);
+            return -1;
+        }
+        int64_t size = vec_at(sizes, r);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            int64_t id = vec_at(ids, j), at, end;
+            if (id < 0 || __builtin_mul_overflow(id, st, &at) || __builtin_add_overflow(at, off, &at) ||
+                __builtin_add_overflow(at, nb, &end) || end > size) {
+                PyErr_Format(PyExc_ValueError, "block %lld, piece %zd is outside region %lld", (long long)id, k,
+                             (long long)r);
+                return -1;
+            }
+        }
+        total += (uint64_t)nb * (uint64_t)n;
+    }
+    if ((uint64_t)buflen != total) {
+        PyErr_Format(PyExc_ValueError, "the buffer holds %zd bytes, the blocks %llu", buflen, (unsigned long long)total);
+        return -1;
+    }
+    char *at = buf;
+    for (Py_ssize_t k = 0; k < p; k++) {
+        char *base = (char *)(uintptr_t)vec_at(bases, vec_at(region, k)) + vec_at(offset, k);
+        int64_t st = vec_at(stride, k), nb = vec_at(nbytes, k);
+        for (Py_ssize_t j = 0; j < n; j++, at += nb) {
+            char *mem = base + vec_at(ids, j) * st;
+            if (gathering)
+                memcpy(at, mem, nb);
+            else
+                memcpy(mem, at, nb);
+        }
+    }
+    return 0;
+}
+
+/* gather_blocks(bases, sizes, region, offset, stride, nbytes, ids) -> bytes;
+ * scatter_blocks(bases, sizes, region, offset, stride, nbytes, ids, src) -> None. */
+static PyObject *blocks(PyObject *args, int gathering) {
+    PyObject *o[7], *srcobj = NULL, *out = NULL;
+    const char *names[] = {"bases", "sizes", "region", "offset", "stride", "nbytes", "ids"};
+    Vec v[7];
+    int got = 0;
+    Py_buffer src;
+    if (gathering ? !PyArg_ParseTuple(args, "OOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6])
+                  : !PyArg_ParseTuple(args, "OOOOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &srcobj))
+        return NULL;
+    for (; got < 7; got++)
+        if (vec_get(o[got], &v[got], names[got]) < 0)
+            goto done;
+    if (gathering) {
+        uint64_t total = 0;
+        for (Py_ssize_t k = 0; k < v[5].len; k++)
+            total += (uint64_t)(vec_at(&v[5], k) < 0 ? 0 : vec_at(&v[5], k)) * (uint64_t)v[6].len;
+        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+        if (out != NULL && blocks_copy(&v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], PyBytes_AS_STRING(out),
+                                       (Py_ssize_t)total, 1) < 0)
+            Py_CLEAR(out);
+    } else if (PyObject_GetBuffer(srcobj, &src, PyBUF_C_CONTIGUOUS) == 0) {
+        if (blocks_copy(&v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], src.buf, src.len, 0) == 0)
+            out = Py_NewRef(Py_None);
+        PyBuffer_Release(&src);
+    }
+done:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&v[i].view);
+    return out;
+}
+
+static PyObject *gather_blocks(PyObject *self, PyObject *args) { return blocks(args, 1); }
+static PyObject *scatter_blocks(PyObject *self, PyObject *args) { return blocks(args, 0); }
+
 /* ---- block ids ------------------------------------------------------------------------------------------------ */
 
 static int cmp64(const void *a, const void *b) {
@@ -438,6 +527,10 @@ static PyMethodDef methods[] = {
      "gather(bases, sizes, region, offset, nbytes, out, threads) -> bytes: every extent, in order, into out"},
     {"scatter", scatter, METH_VARARGS,
      "scatter(bases, sizes, region, offset, nbytes, src, threads) -> bytes: src, in order, into every extent"},
+    {"gather_blocks", gather_blocks, METH_VARARGS,
+     "gather_blocks(bases, sizes, region, offset, stride, nbytes, ids) -> bytes: every piece of every block"},
+    {"scatter_blocks", scatter_blocks, METH_VARARGS,
+     "scatter_blocks(bases, sizes, region, offset, stride, nbytes, ids, src): src into every piece of every block"},
     {"affine", affine, METH_VARARGS, "affine(ids, stride, offset, out): out = ids * stride + offset"},
     {"check_ids", check_ids, METH_VARARGS, "check_ids(ids, num_blocks) -> 0 fine, 1 out of range, 2 repeated"},
     {"run_starts", run_starts, METH_VARARGS, "run_starts(a, b, out) -> k: out[:k] = where runs of consecutive ids begin"},

@@ -314,3 +314,64 @@ def test_gather_and_scatter_refuse_a_piece_outside_its_region_or_a_short_buffer(
         _kvx.gather(bases, sizes, one, one, np.array([100]), np.zeros(99, np.uint8), 1)
     with pytest.raises(BufferError):
         _kvx.gather(bases, sizes, one, one, np.array([8]), b"read-only", 1)  # gathering needs a writable buffer
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_copies_match_the_extents_of_the_same_blocks(seed):
+    """gather_blocks / scatter_blocks (a small request's inline bytes) put every piece of every block in the
+    stream order its extents give, on random layouts (several layers, K and V in separate or shared tensors,
+    heads sliced): the bytes the extents path gathers, and nothing outside the blocks changes on scatter."""
+    from kvxfer.layout import KVLayout
+    from kvxfer.paging import paging
+    from kvxfer.staging.engine import HostEngine
+
+    rng = np.random.default_rng(seed)
+    layers, heads, nb = int(rng.integers(1, 4)), int(rng.integers(1, 4)), 32
+    tokens = int(rng.choice([4, 16]))
+    shape = (nb, 2, tokens, heads, 8) if seed % 2 else (2, nb, tokens, heads, 8)
+    caches = {f"l{i}": rng.integers(-100, 100, shape).astype(np.float16) for i in range(layers)}
+    layout = KVLayout.from_tensors(caches, dims="BKNHD" if seed % 2 else "KBNHD")
+    pg = paging(layout, layout)
+    p = pg.pairings[0]
+    engine = HostEngine(layout.regions)
+    ids = rng.choice(nb, size=int(rng.integers(1, 9)), replace=False).astype(np.int64)
+    ext = pg.side(True, ids, None, nb)
+    want = np.zeros(ext.total, np.uint8)
+    _kvx.gather(engine.bases, engine.sizes, ext.region, ext.offset, ext.nbytes, want, 1)
+    got = _kvx.gather_blocks(engine.bases, engine.sizes, p.a.region, p.a.offset, p.a.stride, p.nbytes, ids)
+    assert isinstance(got, bytes) and got == want.tobytes()
+    before = {k: v.copy() for k, v in caches.items()}
+    back = rng.integers(0, 256, len(got), dtype=np.uint8)
+    _kvx.scatter_blocks(engine.bases, engine.sizes, p.b.region, p.b.offset, p.b.stride, p.nbytes, ids, back)
+    again = np.zeros(ext.total, np.uint8)
+    _kvx.gather(engine.bases, engine.sizes, ext.region, ext.offset, ext.nbytes, again, 1)
+    assert (again == back).all()
+    others = np.setdiff1d(np.arange(nb), ids)
+    axis = 0 if seed % 2 else 1
+    for k, v in caches.items():
+        assert (np.take(v, others, axis=axis) == np.take(before[k], others, axis=axis)).all()
+
+
+def test_block_copies_refuse_a_block_outside_its_region_or_a_wrong_buffer():
+    """A hostile or careless piece table or id (negative, past the region, overflowing) is a ValueError and
+    copies nothing; a message of the wrong length is refused before a byte lands."""
+    mem = np.zeros(4096, dtype=np.uint8)
+    bases, sizes = np.array([mem.ctypes.data], np.uint64), np.array([4096], np.int64)
+    table = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.array([1024], np.int64), np.array([1024], np.int64))
+    ok = _kvx.gather_blocks(bases, sizes, *table, np.array([3], np.int64))
+    assert len(ok) == 1024
+    for bad in ([4], [-1], [1 << 62], [0, 4]):
+        with pytest.raises(ValueError, match="outside region"):
+            _kvx.gather_blocks(bases, sizes, *table, np.array(bad, np.int64))
+        with pytest.raises(ValueError, match="outside region"):
+            _kvx.scatter_blocks(bases, sizes, *table, np.array(bad, np.int64), bytes(1024 * len(bad)))
+    assert not mem.any()
+    with pytest.raises(ValueError, match="holds 1023 bytes"):
+        _kvx.scatter_blocks(bases, sizes, *table, np.array([1], np.int64), bytes(1023))
+    with pytest.raises(ValueError, match="not a piece"):
+        _kvx.gather_blocks(bases, sizes, np.ones(1, np.int64), *table[1:], np.array([0], np.int64))
+    with pytest.raises(ValueError, match="differ in length"):
+        _kvx.gather_blocks(bases, sizes, np.zeros(2, np.int64), *table[1:], np.array([0], np.int64))
+    with pytest.raises(TypeError):
+        _kvx.gather_blocks(bases, sizes, *table, np.array([0], np.int32))
+    assert not mem.any()
