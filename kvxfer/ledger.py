@@ -30,7 +30,7 @@ from .errors import (
     ProtocolError,
     StaleError,
 )
-from .plan import byte_ranges
+from .plan import byte_ranges, range_bytes
 
 _generations = itertools.count(1)
 
@@ -41,6 +41,8 @@ class State(enum.Enum):
     HANDED = "handed"  # complete: the runtime owns the blocks until it releases them
     FAILED = "failed"  # ended with an error: the blocks wait until no byte can still land in them
     FREED = "freed"  # the blocks are back in the allocator
+
+    __hash__ = object.__hash__  # members are compared by identity: Enum's own hash is Python code, on every step
 
 
 _TRANSITIONS: dict[State, frozenset[State]] = {
@@ -236,7 +238,7 @@ class Grants:
         r = self._check_ranges(req, senders, part, ranges)
         if chunks is not None and not (n - 1) * per_block < chunks <= n * per_block:
             raise BlockError(f"request {req!r}: {chunks} chunks do not fill {n} blocks of {per_block} chunks")
-        covered = int((r[:, 1] - r[:, 0]).sum())  # bytes of each block this admission fills
+        covered = range_bytes(r)  # bytes of each block this admission fills
         if senders == 1 and (part != 0 or (covered != self.block_bytes and not (partial and ids is not None))):
             raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []

@@ -131,6 +131,14 @@ def byte_ranges(ranges, block_bytes: int) -> np.ndarray:
     return r
 
 
+def range_bytes(r: np.ndarray) -> int:
+    """The bytes of a block that ranges ``r`` (as ``byte_ranges`` returns them) cover."""
+    if len(r) <= FEW_RANGES:
+        f = r.ravel().tolist()
+        return sum(f[1::2]) - sum(f[0::2])
+    return int((r[:, 1] - r[:, 0]).sum())
+
+
 def _virtual(r: np.ndarray) -> np.ndarray:
     """Where each range starts in the stream of the selected bytes alone."""
     return np.concatenate([[0], np.cumsum(r[:, 1] - r[:, 0])[:-1]])

@@ -20,6 +20,7 @@ from .shard import Selection
 log = logging.getLogger("kvxfer")
 
 _attempts = itertools.count(1)  # every admission attempt has an id of its own: answers name it
+_LAZY = threading.Lock()  # makes a transfer's cancel event once
 
 
 class Status(str, enum.Enum):
@@ -61,7 +62,7 @@ class Transfer:
         self.inline = False  # the push's bytes travel inside its Admit (kvxfer.inline)
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
-        self.cancel_event = threading.Event()
+        self._cancel: threading.Event | None = None  # made on first use: a small push never needs one
         self._ended = threading.Event()
         self._lock = threading.Lock()
         self._on_cancel: Callable[[Transfer, str], None] | None = None
@@ -80,6 +81,19 @@ class Transfer:
 
     def done(self) -> bool:
         return self._ended.is_set()
+
+    @property
+    def cancel_event(self) -> threading.Event:
+        """Set once the transfer failed or was cancelled: what a mover checks between pieces."""
+        ev = self._cancel
+        if ev is None:
+            with _LAZY:
+                if self._cancel is None:
+                    self._cancel = threading.Event()  # published first: ``_finish`` sets it from now on
+                    if self.error is not None:  # ``_finish`` had set the error before it looked
+                        self._cancel.set()
+                ev = self._cancel
+        return ev
 
     def wait_ended(self, timeout: float) -> bool:
         """Whether the transfer ended within ``timeout`` seconds (no error raised)."""
@@ -162,8 +176,8 @@ class Transfer:
             self.error = error
             self.status = status or (Status.DONE if error is None else Status.FAILED)
             self.timings["completed"] = time.monotonic()
-            if error is not None:
-                self.cancel_event.set()
+            if error is not None and self._cancel is not None:
+                self._cancel.set()
             self._ended.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:

@@ -413,8 +413,16 @@ def decode(body: bytes | bytearray | memoryview) -> _Msg:
         raise ProtocolError(f"malformed message: {e}") from None
 
 
+FEW_IDS = 64  # up to this many ids pack as Python ints (struct checks the range): two numpy reductions cost more
+
+
 def ids_to_bytes(ids) -> bytes:
     a = np.asarray(ids)
+    if a.ndim == 1 and len(a) <= FEW_IDS and a.dtype.kind in "iu":
+        try:
+            return struct.pack(f"<{len(a)}I", *a.tolist())
+        except struct.error:
+            raise BlockError("block ids must fit in uint32") from None
     if a.size and (a.min() < 0 or a.max() > 0xFFFFFFFF):
         raise BlockError("block ids must fit in uint32")
     return a.astype("<u4", copy=False).tobytes()
