@@ -7,7 +7,8 @@ requests and host staging do), side by side with their baselines in one run:
   (it goes through a temporary: two copies);
 - ``memcpy``: one contiguous copy of the same bytes, the ceiling.
 
-256 MiB of pieces in permuted order over a 512 MiB region.
+256 MiB of pieces in permuted order over a 512 MiB region. And a small request's inline bytes (1 and 16 blocks
+of a 2-layer cache, K and V apart): ``Inline.pack`` straight from block ids against the extents path it replaced.
 """
 
 from __future__ import annotations
@@ -66,3 +67,38 @@ def test_memcpy_baseline(benchmark, memory):
     mem, out = memory
     benchmark(np.copyto, out, mem[:TOTAL])
     benchmark.extra_info["GB/s"] = TOTAL / benchmark.stats.stats.median / 1e9
+
+
+# ---- a small request's inline bytes (kvxfer.inline): straight from block ids against through its extents ------
+def _small_layout(blocks: int):
+    from kvxfer.layout import KVLayout
+    from kvxfer.paging import paging
+
+    caches = {f"l{i}": np.ones((64, 2, 16, 2, 64), np.float16) for i in range(2)}
+    layout = KVLayout.from_tensors(caches, dims="BKNHD")
+    return layout, paging(layout, layout), np.arange(3, 3 + blocks, dtype=np.int64) * 2
+
+
+@pytest.mark.parametrize("blocks", [1, 16])
+def test_inline_pack_from_block_ids(benchmark, blocks):
+    """``Inline.pack``: one native call over the piece table (``_kvx.gather_blocks``)."""
+    from kvxfer.inline import Inline
+
+    layout, pg, ids = _small_layout(blocks)
+    data = benchmark(Inline(layout).pack, pg, ids, None)
+    assert len(data) == blocks * layout.block_bytes
+
+
+@pytest.mark.parametrize("blocks", [1, 16])
+def test_inline_pack_through_extents_baseline(benchmark, blocks):
+    """The same bytes the way they were packed before: the request's extents, then ``_kvx.gather``."""
+    layout, pg, ids = _small_layout(blocks)
+    engine = HostEngine(layout.regions)
+
+    def pack() -> bytes:
+        ext = pg.side(True, ids, None, layout.num_blocks)
+        slot = engine.slot(ext.total)
+        engine.gather(ext, slot)
+        return bytes(slot.view)
+
+    assert len(benchmark(pack)) == blocks * layout.block_bytes
