@@ -69,7 +69,7 @@ class _ConsumerSession:
         self.covered = coverage(peer.layout, transport.layout)  # the bytes of our blocks a whole push fills
         self.covered.setflags(write=False)  # shared by every admission of the session
         self.alive = True
-        self.pulls: dict[str, tuple[Slot, threading.Event]] = {}
+        self.pulls: dict[str, tuple[Slot, threading.Event | None]] = {}  # None: its bytes came with the offer
         self.data_nonces: set[bytes] = set()  # each data connection proves the session key once
         self.fetches: dict[str, Fetch] = {}  # a session this consumer opened to fetch: its fetches, by request
         self.fetch_address = ""  # that session's producer address
@@ -393,7 +393,8 @@ class Consumer(HandleBase):
         )
         self._count("failed", len(lost))
         for _, ev in pulls:
-            ev.set()
+            if ev is not None:
+                ev.set()
         if s.transport is not None:
             s.transport.disconnect(s.sid)
         self.fetches.session_lost(s, error)
@@ -564,7 +565,7 @@ class Consumer(HandleBase):
         with self._lock:
             s = self._sessions.get(slot.peer)
             pull = s.pulls.get(slot.req) if s else None
-        if pull is not None:
+        if pull is not None and pull[1] is not None:
             pull[1].set()
 
     def _deliver(self, slot: Slot, kind: str, grant: wire.Grant | None = None) -> None:
@@ -713,16 +714,16 @@ class Consumer(HandleBase):
                 self.fetches.end(fetch, e)
             return self._reject(s, msg.req, e, gen=msg.gen)
         self._count("admitted")
-        cancel = threading.Event()
+        cancel = None if msg.data else threading.Event()  # landing an offer's own bytes has no read to stop
         with self._lock:
             s.pulls[msg.req] = (slot, cancel)
-        if msg.data:  # the offer carried its bytes (kvxfer.inline): land them here, no read
-            self._pull(s, slot, src, cancel, msg.data)
+        if cancel is None:  # the offer carried its bytes (kvxfer.inline): land them here, no read
+            self._pull(s, slot, src, None, msg.data)
         else:
             closed = ClosedError("consumer closed")
             self._submit(self._pull, s, slot, src, cancel, dropped=lambda: self._pull_failed(s, slot, closed))
 
-    def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event, data=b"") -> None:
+    def _pull(self, s: _ConsumerSession, slot: Slot, src: np.ndarray, cancel: threading.Event | None, data=b"") -> None:
         """Read an offer into the slot's blocks (or land the bytes it carried). The slot is *receiving* while the
         reader runs, so a failure from any thread (cancel, deadline, lost session) frees the blocks only after
         the last byte landed."""
@@ -732,7 +733,7 @@ class Consumer(HandleBase):
             return self._pull_failed(s, slot, e)
         moved, error = 0, None
         try:
-            if data:
+            if cancel is None:
                 moved = self._landed_inline(s, slot, data)
             else:
                 moved = s.link.read(slot.req, slot.lease_gen, src, slot.ids, slot.deadline, cancel, slot.chunks)

@@ -184,6 +184,8 @@ class Grants:
         self.tombstones: dict[str, float] = {}
         self.freed_external: list[Slot] = []  # caller-chosen blocks given back: the caller learns via take_freed
         self.closed = False  # no admission any more: a session thread may still hand us one it read before
+        self._checked: tuple[np.ndarray, np.ndarray, int] | None = None  # the last read-only ranges checked
+        # (a session's coverage, the same array every admission): them, as checked, and the bytes they cover
 
     # ---- admission ---------------------------------------------------------------------------------------
     @_locked
@@ -235,10 +237,9 @@ class Grants:
             raise CancelledError(f"request {req!r} was cancelled")
         if req in self.handed:
             raise StaleError(f"request {req!r} was already received and is held by the runtime")
-        r = self._check_ranges(req, senders, part, ranges)
+        r, covered = self._check_ranges(req, senders, part, ranges)
         if chunks is not None and not (n - 1) * per_block < chunks <= n * per_block:
             raise BlockError(f"request {req!r}: {chunks} chunks do not fill {n} blocks of {per_block} chunks")
-        covered = range_bytes(r)  # bytes of each block this admission fills
         if senders == 1 and (part != 0 or (covered != self.block_bytes and not (partial and ids is not None))):
             raise BlockError(f"request {req!r}: a single sender carries every byte of the blocks as part 0")
         superseded = []
@@ -326,13 +327,22 @@ class Grants:
         slot.kind, slot.lease_gen, slot.digests = "pull", lease_gen, digests
         return slot
 
-    def _check_ranges(self, req: str, senders: int, part: int, ranges) -> np.ndarray:
+    def _check_ranges(self, req: str, senders: int, part: int, ranges) -> tuple[np.ndarray, int]:
+        """``ranges`` checked (``byte_ranges``) and the bytes of each block they cover. A read-only array is
+        checked once while it is the last one seen: owning its bytes, it cannot have changed since."""
         if senders < 1 or not 0 <= part < senders:
             raise BlockError(f"request {req!r}: part {part} of {senders} senders")
+        last = self._checked
+        if last is not None and ranges is last[0]:
+            return last[1], last[2]
         try:
-            return byte_ranges(ranges, self.block_bytes)
+            r = byte_ranges(ranges, self.block_bytes)
         except BlockError as e:
             raise BlockError(f"request {req!r} part {part}: {e}") from None
+        covered = range_bytes(r)
+        if isinstance(ranges, np.ndarray) and ranges.flags.owndata and not ranges.flags.writeable:
+            self._checked = (ranges, r, covered)
+        return r, covered
 
     def _join(self, slot: Slot, peer: int, n: int, part: int, selection, ranges: np.ndarray) -> Part:
         if n != len(slot.ids):

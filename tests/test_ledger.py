@@ -314,3 +314,25 @@ def test_a_failed_fetch_gives_its_blocks_back_only_once_no_byte_can_land():
     assert [s.req for s in g.take_freed()] == ["f"] and g.allocator.num_free == 16
     with pytest.raises(BlockError):
         g.admit_pull(1, "g", 2, 10, 0, lease_gen=8, ids=np.array([4, 5, 6]))
+
+
+def test_ranges_are_rechecked_unless_they_cannot_have_changed():
+    """A session's coverage (read-only, owning its bytes) is checked once; ranges an admission could have
+    changed since (writable, or a read-only view of writable memory) are checked every time."""
+    g = _grants(max_inflight=8)
+    covered = np.array([[0, 10]], np.int64)
+    covered.setflags(write=False)
+    for i in range(2):
+        assert g.admit(1, f"ro{i}", 1, 10, 0, ranges=covered)[0].nbytes == 10
+    mine = np.array([[0, 10]], np.int64)
+    g.admit(1, "rw", 1, 10, 0, ranges=mine)
+    mine[0, 1] = 11  # past the block
+    with pytest.raises(BlockError, match="within a block"):
+        g.admit(1, "rw2", 1, 10, 0, ranges=mine)
+    base = np.array([[0, 10]], np.int64)
+    view = base.view()
+    view.setflags(write=False)
+    g.admit(1, "view", 1, 10, 0, ranges=view)
+    base[0, 0] = 5  # a single sender no longer fills its blocks
+    with pytest.raises(BlockError, match="every byte"):
+        g.admit(1, "view2", 1, 10, 0, ranges=view)
