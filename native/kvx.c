@@ -309,17 +309,17 @@ static PyObject *scatter(PyObject *self, PyObject *args) { return copy(args, 0);
 /* ---- gather / scatter straight from block ids (a small request's inline bytes) -------------------------------- */
 
 /* Every (piece k, block ids[j]) of one layout side, piece-major (the stream order of that side's extents):
- * bases[region[k]] + offset[k] + ids[j] * stride[k], nbytes[k] bytes, each checked against its region first.
- * Copies into buf (gathering) or out of it; -1 with a ValueError set when a piece is outside its region or
- * buf is not exactly their total. The extents of a small request cost more to build than to copy. */
-static int blocks_copy(const Vec *bases, const Vec *sizes, const Vec *region, const Vec *offset, const Vec *stride,
-                       const Vec *nbytes, const Vec *ids, char *buf, Py_ssize_t buflen, int gathering) {
+ * bases[region[k]] + offset[k] + ids[j] * stride[k], nbytes[k] bytes. blocks_total checks each against its
+ * region and returns their total (-1 with a ValueError set when one is outside); blocks_copy then copies them
+ * into buf (gathering) or out of it. The extents of a small request cost more to build than to copy. */
+static int64_t blocks_total(const Vec *bases, const Vec *sizes, const Vec *region, const Vec *offset,
+                            const Vec *stride, const Vec *nbytes, const Vec *ids) {
     Py_ssize_t p = region->len, n = ids->len;
     if (offset->len != p || stride->len != p || nbytes->len != p || sizes->len != bases->len) {
         PyErr_SetString(PyExc_ValueError, "piece vectors differ in length");
         return -1;
     }
-    uint64_t total = 0;
+    int64_t total = 0;
     for (Py_ssize_t k = 0; k < p; k++) {
         int64_t r = vec_at(region, k), off = vec_at(offset, k), st = vec_at(stride, k), nb = vec_at(nbytes, k);
         if (r < 0 || r >= bases->len || off < 0 || st < 0 || nb < 0) {
@@ -336,17 +336,22 @@ static int blocks_copy(const Vec *bases, const Vec *sizes, const Vec *region, co
                 return -1;
             }
         }
-        total += (uint64_t)nb * (uint64_t)n;
+        int64_t piece;
+        if (__builtin_mul_overflow(nb, (int64_t)n, &piece) || __builtin_add_overflow(total, piece, &total)) {
+            PyErr_SetString(PyExc_ValueError, "the blocks hold more bytes than a buffer can");
+            return -1;
+        }
     }
-    if ((uint64_t)buflen != total) {
-        PyErr_Format(PyExc_ValueError, "the buffer holds %zd bytes, the blocks %llu", buflen, (unsigned long long)total);
-        return -1;
-    }
+    return total;
+}
+
+static void blocks_copy(const Vec *bases, const Vec *region, const Vec *offset, const Vec *stride, const Vec *nbytes,
+                        const Vec *ids, char *buf, int gathering) {
     char *at = buf;
-    for (Py_ssize_t k = 0; k < p; k++) {
+    for (Py_ssize_t k = 0; k < region->len; k++) {
         char *base = (char *)(uintptr_t)vec_at(bases, vec_at(region, k)) + vec_at(offset, k);
         int64_t st = vec_at(stride, k), nb = vec_at(nbytes, k);
-        for (Py_ssize_t j = 0; j < n; j++, at += nb) {
+        for (Py_ssize_t j = 0; j < ids->len; j++, at += nb) {
             char *mem = base + vec_at(ids, j) * st;
             if (gathering)
                 memcpy(at, mem, nb);
@@ -354,7 +359,6 @@ static int blocks_copy(const Vec *bases, const Vec *sizes, const Vec *region, co
                 memcpy(mem, at, nb);
         }
     }
-    return 0;
 }
 
 /* gather_blocks(bases, sizes, region, offset, stride, nbytes, ids) -> bytes;
@@ -371,17 +375,20 @@ static PyObject *blocks(PyObject *args, int gathering) {
     for (; got < 7; got++)
         if (vec_get(o[got], &v[got], names[got]) < 0)
             goto done;
+    int64_t total = blocks_total(&v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6]);
+    if (total < 0)
+        goto done;
     if (gathering) {
-        uint64_t total = 0;
-        for (Py_ssize_t k = 0; k < v[5].len; k++)
-            total += (uint64_t)(vec_at(&v[5], k) < 0 ? 0 : vec_at(&v[5], k)) * (uint64_t)v[6].len;
         out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
-        if (out != NULL && blocks_copy(&v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], PyBytes_AS_STRING(out),
-                                       (Py_ssize_t)total, 1) < 0)
-            Py_CLEAR(out);
+        if (out != NULL)
+            blocks_copy(&v[0], &v[2], &v[3], &v[4], &v[5], &v[6], PyBytes_AS_STRING(out), 1);
     } else if (PyObject_GetBuffer(srcobj, &src, PyBUF_C_CONTIGUOUS) == 0) {
-        if (blocks_copy(&v[0], &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], src.buf, src.len, 0) == 0)
+        if (src.len != total)
+            PyErr_Format(PyExc_ValueError, "the buffer holds %zd bytes, the blocks %lld", src.len, (long long)total);
+        else {
+            blocks_copy(&v[0], &v[2], &v[3], &v[4], &v[5], &v[6], src.buf, 0);
             out = Py_NewRef(Py_None);
+        }
         PyBuffer_Release(&src);
     }
 done:
