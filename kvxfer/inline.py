@@ -35,8 +35,8 @@ class Inline:
 
     def pack(self, paging: Paging, ids: np.ndarray, chunks: int | None) -> bytes:
         """The bytes of source blocks ``ids`` (``chunks`` of them when the sides page differently)."""
-        if paging.k == 1 and chunks in (None, len(ids)):
-            p = paging.pairings[0]
+        p = paging.alike(chunks, len(ids))
+        if p is not None:
             e = self.engine
             return _kvx.gather_blocks(e.bases, e.sizes, p.a.region, p.a.offset, p.a.stride, p.nbytes, ids)
         ext = paging.side(True, ids, chunks, self.num_blocks)
@@ -46,8 +46,8 @@ class Inline:
 
     def unpack(self, paging: Paging, ids: np.ndarray, chunks: int | None, data: bytes) -> None:
         """Scatter ``data`` into destination blocks ``ids``; its length is the caller's to check."""
-        if paging.k == 1 and chunks in (None, len(ids)):
-            p = paging.pairings[0]
+        p = paging.alike(chunks, len(ids))
+        if p is not None:
             e = self.engine
             _kvx.scatter_blocks(e.bases, e.sizes, p.b.region, p.b.offset, p.b.stride, p.nbytes, ids, data)
             return

@@ -82,10 +82,15 @@ class Paging:
             n = len(range(j, chunks, k))
             yield j, (ids[j::k][:n] if small else ids[:n])
 
+    def alike(self, chunks: int | None, n: int) -> Pairing | None:
+        """The one pairing when ``n`` blocks map one to one (equal block sizes: a chunk is a block), else None."""
+        return self.pairings[0] if self.k == 1 and chunks in (None, n) else None
+
     def plan(self, src_ids, dst_ids, chunks: int | None, src_total: int, dst_total: int) -> Plan:
         """Both sides' extents of ``chunks`` chunks (None: one per block, equal block sizes only)."""
-        if self.k == 1 and chunks in (None, len(np.asarray(src_ids))):
-            return make_plan(self.pairings[0], src_ids, dst_ids, src_total, dst_total)
+        one = self.alike(chunks, len(np.asarray(src_ids)))
+        if one is not None:
+            return make_plan(one, src_ids, dst_ids, src_total, dst_total)
         if chunks is None:
             raise BlockError("blocks of different sizes map through a token count")
         src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
@@ -98,8 +103,8 @@ class Paging:
         """One side's extents of ``chunks`` chunks in stream order (a stream transport's view: it never needs
         the other side's ids)."""
         a = np.asarray(ids, dtype=np.int64)
-        if self.k == 1 and chunks in (None, len(a)):
-            p = self.pairings[0]
+        p = self.alike(chunks, len(a))
+        if p is not None:
             return extents(p.a if src else p.b, p.nbytes, a, total)
         if chunks is None:
             raise BlockError("blocks of different sizes map through a token count")

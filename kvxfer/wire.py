@@ -340,8 +340,8 @@ Message = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _meta_decoder = msgspec.msgpack.Decoder(Meta)  # built once: ``msgspec.convert(x, Meta)`` hashes the nested
-# type on every call (~1 ms a push)
-_EMPTY_META = _encoder.encode({})
+# type on every call (~0.5 ms a push)
+_EMPTY_META_SIZE = len(_encoder.encode({}))
 
 
 def check_meta(meta) -> tuple[dict[str, Any], int]:
@@ -349,7 +349,7 @@ def check_meta(meta) -> tuple[dict[str, Any], int]:
     (not JSON-like, keys not strings, nested or sized past the limits), before it reaches a peer: a consumer
     refuses such a message by ending the whole session."""
     if not meta and (meta is None or type(meta) is dict):
-        return {}, len(_EMPTY_META)
+        return {}, _EMPTY_META_SIZE
     try:
         encoded = _encoder.encode(meta)
         checked = _meta_decoder.decode(encoded)
