@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_import_error: ImportError | None = None
+_import_error: Exception | None = None
 
 
 def _import_vllm():
@@ -36,7 +36,7 @@ def pytest_collection_finish(session):
     if any(str(item.path).startswith(_HERE + os.sep) for item in session.items):
         try:
             _import_vllm()
-        except ImportError as e:
+        except Exception as e:  # the fixture reports it, to the tests that need vLLM only
             _import_error = e
 
 
@@ -50,6 +50,8 @@ def vh():
             err = e
     else:
         err = _import_error
+    if not isinstance(err, ImportError):
+        pytest.fail(f"importing vLLM failed: {err!r}")
     if os.environ.get("CI"):
         pytest.fail(f"vLLM is not importable in CI: {err} (scripts/install-vllm.sh installs it)")
     pytest.skip(f"vLLM not importable here: {err}")
