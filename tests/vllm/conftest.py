@@ -36,25 +36,21 @@ def pytest_collection_finish(session):
     if any(str(item.path).startswith(_HERE + os.sep) for item in session.items):
         try:
             _import_vllm()
-        except Exception as e:  # the fixture reports it, to the tests that need vLLM only
+        except Exception as e:  # the fixture raises it, in the tests that need vLLM only
             _import_error = e
 
 
 @pytest.fixture(scope="session")
 def vh():
     """The harness module (real vLLM Scheduler / Request / KV tensors), imported once."""
-    if _import_error is None:
-        try:
-            return _import_vllm()
-        except ImportError as e:
-            err = e
-    else:
-        err = _import_error
-    if not isinstance(err, ImportError):
-        pytest.fail(f"importing vLLM failed: {err!r}")
-    if os.environ.get("CI"):
-        pytest.fail(f"vLLM is not importable in CI: {err} (scripts/install-vllm.sh installs it)")
-    pytest.skip(f"vLLM not importable here: {err}")
+    try:
+        if _import_error is not None:  # raised as it was, not imported a second time under the timeout
+            raise _import_error
+        return _import_vllm()
+    except ImportError as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM is not importable in CI: {e} (scripts/install-vllm.sh installs it)")
+        pytest.skip(f"vLLM not importable here: {e}")
 
 
 @pytest.fixture
