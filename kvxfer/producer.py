@@ -204,6 +204,8 @@ class Producer(HandleBase):
                 with contextlib.suppress(KVXferError):  # say why, as a consumer refusing a producer does
                     ch.send(wire.Error(req="", code=e.code, message=str(e)))
             ch.close()
+            if isinstance(e, DeadlineError):  # say that the session never came up, not just that a read timed out
+                raise DeadlineError(f"handshake with {address or host} not done within {timeout:.3g}s: {e}") from None
             raise
 
     def _session_lost(self, s: _ProducerSession, error: KVXferError) -> None:
