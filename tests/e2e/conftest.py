@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / os.environ.get("KVXFER_VLLM_SERVER_VENV", ".venv-vllm032")
@@ -51,35 +51,6 @@ def _pairs_in_written_order(items) -> None:
     )
     for i, item in zip(at, ordered, strict=True):
         items[i] = item
-
-
-def _below_ephemeral() -> tuple[int, int]:
-    """Ports under the kernel's ephemeral range, or (0, 0) where that range leaves too few below it."""
-    try:
-        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-    return (max(10000, lo - 12000), lo) if lo - 10000 >= 2000 else (0, 0)
-
-
-_PORTS = _below_ephemeral()
-
-
-def free_port() -> int:
-    """A loopback port free now, for a server started next. Picked under the ephemeral range: a port the kernel
-    hands out (any ``bind(0)`` or outgoing connection of the suite that runs beside these tests, thousands of them)
-    can be taken between this pick and the server's own bind; in CI a vLLM server died of "Address already in
-    use" that way."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(*_PORTS) if _PORTS[1] else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None) -> None:

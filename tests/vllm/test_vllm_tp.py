@@ -254,28 +254,6 @@ def test_an_mla_cache_on_every_rank_ships_once_striped_by_layer(vh, monkeypatch,
         consumer.close()
 
 
-def _free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive ports free on loopback (a parallel prefill's ranks listen on them)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 60000)
-        socks = []
-        try:
-            for k in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no run of free ports")
-
-
 def _instance(vh, role: str, tp: int, pp: int, heads_of_rank, blocks: int, fill, **extra):
     """One vLLM instance's worker ranks, as vLLM makes them: rank ``pp_rank * tp + tp_rank`` registers its heads
     (``heads_of_rank(tp_rank)``) of its stage's layers, filled by ``fill(name, tp_rank, tensor)``."""
@@ -364,7 +342,7 @@ def test_a_parallel_prefill_holds_and_a_parallel_decode_fetches_its_share(vh, mo
     def zero(name, hs, t):
         t.zero_()
 
-    base = _free_ports(p * q)
+    base = vh.free_port(p * q)
     prefill, _ = _instance(vh, "kv_producer", p, q, split(p), blocks, reference, listen=f"127.0.0.1:{base}")
     decode, dcaches = _instance(vh, "kv_consumer", d, r, split(d), blocks, zero)
     try:

@@ -32,6 +32,7 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvxfer.integrations.vllm import KVXferConnector, KVXferConnectorMetadata, ShipOrder
+from support.ports import free_port as free_port  # the tests call it as vh.free_port
 from vllm import SamplingParams
 from vllm_consumer import block_stream
 
@@ -58,15 +59,6 @@ def kvxfer_ktc(*, role: str = "kv_producer", policy: str | None = None, **extra)
     if policy:
         ktc.kv_load_failure_policy = policy  # type: ignore[assignment]
     return ktc
-
-
-def free_port() -> int:
-    """A TCP port free right now on loopback (for a prefill's concrete ``listen`` address)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def multi_ktc(
