@@ -44,8 +44,8 @@ def kvxfer_both(transport: str, lease: float = 30.0, deadline: float = 20.0) -> 
     )
 
 
-def kvxfer_decode(transport: str) -> dict:
-    return kvxfer_config("kv_consumer", transport=transport, deadline=20)
+def kvxfer_decode(transport: str, deadline: float = 20.0) -> dict:
+    return kvxfer_config("kv_consumer", transport=transport, deadline=deadline)
 
 
 def nixl_config(role: str) -> dict:
