@@ -3,6 +3,7 @@
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -119,6 +120,18 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _back_to(before: int, wait: float = 3.0) -> bool:
+    """Whether this process's open fds fall back to ``before`` within ``wait`` seconds. A leak stays; an fd that a
+    thread of an earlier test still holds for a moment (in CI, beside the end-to-end run, one was counted once)
+    goes."""
+    end = time.monotonic() + wait
+    while _open_fds() > before:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -136,7 +149,7 @@ def test_consumer_options_out_of_range_are_config_errors_and_open_nothing(option
     before = _open_fds()
     with pytest.raises(ConfigError):
         Consumer(_layout(), transport="tcp", **options)
-    assert _open_fds() <= before
+    assert _back_to(before), (_open_fds(), before)
 
 
 def test_listening_where_this_host_cannot_is_a_config_error_and_opens_nothing():
@@ -150,4 +163,4 @@ def test_listening_where_this_host_cannot_is_a_config_error_and_opens_nothing():
         ):
             with pytest.raises(ConfigError, match="cannot listen"):
                 make()
-        assert _open_fds() <= before
+        assert _back_to(before), (_open_fds(), before)
