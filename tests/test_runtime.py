@@ -75,24 +75,29 @@ def test_busy_then_retry(service, senders):
     assert svc.settled()
 
 
+# How long a step of the test below may take: each wait ends as soon as its step is done, and in CI, beside the
+# end-to-end run, a 2-block push was still unconfirmed after 5 s (the test took 22 s: a loaded machine, not a hang).
+WAIT = 30
+
+
 def test_max_inflight_and_max_pending_push_back(service, senders):
     svc = service(max_inflight=1, max_pending=1, retry_after=0.05)
     p1, p2 = senders(1), senders(2)
     p1.call("hold")
     p1.push(svc.address, "slow", [1, 2], wait=False)
-    wait_for(lambda: svc.stats()["inflight"] == 1, 5)
+    wait_for(lambda: svc.stats()["inflight"] == 1, WAIT)
     with pytest.raises(RemoteError) as e:  # one request already receiving
         p2.push(svc.address, "x", [3])
     assert e.value.kind == "BusyError"
     p1.call("go")
-    p1.call("wait", "slow", 5)
-    wait_for(lambda: svc.stats()["pending"] == 1, 5)
+    p1.call("wait", "slow", WAIT)
+    wait_for(lambda: svc.stats()["pending"] == 1, WAIT)
     with pytest.raises(RemoteError) as e:  # one hand-off waits unclaimed: the runtime is behind
         p2.push(svc.address, "y", [3])
     assert e.value.kind == "BusyError"
-    svc.release(svc.next(1).req)
+    svc.release(svc.next(WAIT).req)
     p2.push(svc.address, "y", [3])
-    svc.release(svc.next(1).req)
+    svc.release(svc.next(WAIT).req)
     assert svc.settled()
 
 
