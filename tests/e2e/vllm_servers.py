@@ -136,6 +136,24 @@ class Server:
         """To every process of the server (API server, engine core, worker): its own process group."""
         os.killpg(self.proc.p.pid, sig)
 
+    def pinned_threads(self) -> list[str]:
+        """Threads of the server's processes allowed fewer CPUs than this test process (nixl_site says why none
+        should be)."""
+        every, out = os.sched_getaffinity(0), []
+        for proc in Path("/proc").iterdir():
+            try:
+                if (
+                    not proc.name.isdigit()
+                    or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != self.proc.p.pid
+                ):
+                    continue
+                for task in (proc / "task").iterdir():
+                    if (cpus := os.sched_getaffinity(int(task.name))) < every:
+                        out.append(f"{task.name} {(task / 'comm').read_text().strip()}: {sorted(cpus)}")
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+        return out
+
     def metrics(self) -> dict[str, float]:
         """``{"name{label=value,...}": value}`` for vLLM's own metrics, the model_name / engine labels dropped."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
