@@ -7,6 +7,7 @@ Imported only after the session fixture checked that vLLM imports (it imports vL
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -188,7 +189,12 @@ class Worker:
         self.group_tables_seen: dict[str, list[list[int]]] = {}  # req -> its table in every group
         self.connector = None
         if connector:
+            # NixlConnector's worker pins the calling thread to the last core of each NUMA node on CPU (see
+            # tests/e2e/nixl_site); here that thread is pytest's, and every test and peer process after it
+            # would run on that one core
+            cpus = os.sched_getaffinity(0)
             self.connector = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
+            os.sched_setaffinity(0, cpus)
             self.connector.register_kv_caches(self.kv_caches)
             kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
 
