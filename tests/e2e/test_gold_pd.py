@@ -6,7 +6,7 @@ One plain server (no connector) computes the reference token ids; then each conf
 same prompts through the router's vLLM decode pool: kvxfer over tcp and over nixl, alone and under MultiConnector
 beside NixlConnector on both instances. Token identity holds here because every server runs the model in float32,
 eagerly, one request at a time (DESIGN.md); scripts/pd_latency.py runs vLLM's own NixlConnector through the same
-router and harness for comparison (not here: its transfers stall now and then on these CPU servers).
+router and harness for comparison.
 ``vllm:prompt_tokens_by_source`` proves the decode loaded the prompt instead of computing it, and every block pool
 is back to full after each configuration.
 
