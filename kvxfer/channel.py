@@ -13,12 +13,46 @@ import ssl
 import threading
 import time
 
-from . import wire
-from .errors import DeadlineError, PeerError
+import numpy as np
+
+from . import _kvx, wire
+from .errors import ConfigError, DeadlineError, PeerError
 from .sockets import IOV_MAX, connect, parse_address, recv_exact, recv_views, send_views  # noqa: F401
 
 SEND_STALL = 5.0  # seconds a send may wait with no byte taken by the peer before the peer counts as gone
 TLS_RECORD = 16 << 10  # what one TLS write sends at most
+SPIN = 100e-6  # seconds a reader busy-waits for the next message before it blocks (0: never)
+
+
+class Spin:
+    """When a reader busy-waits before it blocks: up to ``limit`` after each message it received and after each
+    one its channel sent (whose answer it then takes at once). Spinning pays where waking a blocked thread costs
+    more than the round trip, as waking an idle core of a virtual machine does (docs/performance.md). A reader
+    whose spins keep failing on long waits (an idle connection) stops spinning after ``IDLE_AFTER`` of them,
+    until a message comes soon again or the channel sends one."""
+
+    IDLE_AFTER = 8
+
+    def __init__(self, limit: float = SPIN):
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit <= 0.01:
+            raise ConfigError(f"spin must be 0 to 0.01 seconds, got {limit!r}")
+        self.limit = limit
+        self.misses = 0
+        self.until = np.zeros(1, np.int64)  # monotonic ns the reader spins to; a send moves it on
+
+    def start(self, now_ns: int) -> bool:
+        """Before a read: whether to spin, and to when."""
+        if self.limit and self.misses < self.IDLE_AFTER:
+            self.until[0] = max(int(self.until[0]), now_ns + int(self.limit * 1e9))
+        return bool(self.until[0] > now_ns)
+
+    def sent(self, now_ns: int) -> None:
+        if self.limit:
+            self.until[0] = max(int(self.until[0]), now_ns + int(self.limit * 1e9))
+
+    def took(self, waited: float | None) -> None:
+        """A message came: during the spin (``None``), or ``waited`` seconds after the reader blocked."""
+        self.misses = 0 if waited is None or waited <= self.limit else self.misses + 1
 
 
 class Channel:
@@ -26,10 +60,13 @@ class Channel:
 
     CHUNK = 256 << 10  # a frame body is read in pieces of at most this: memory follows what has arrived
 
-    def __init__(self, sock: socket.socket, max_frame: int = wire.MAX_FRAME, send_stall: float = SEND_STALL):
+    def __init__(
+        self, sock: socket.socket, max_frame: int = wire.MAX_FRAME, send_stall: float = SEND_STALL, spin: float = SPIN
+    ):
         self.sock = sock
         self.max_frame = max_frame
         self.send_stall = send_stall
+        self.spin = Spin(spin)
         self._send_lock = threading.Lock()
         self.closed = False
 
@@ -46,6 +83,7 @@ class Channel:
                 self._send_all(data)
             except OSError as e:
                 raise PeerError(f"send failed: {e}") from None
+        self.spin.sent(time.monotonic_ns())  # its answer is due: the reader spins for it
 
     def _send_all(self, data: memoryview) -> None:
         tls = isinstance(self.sock, ssl.SSLSocket)
@@ -80,7 +118,9 @@ class Channel:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            blocked = self._spin()
             header = self._read(4, deadline)
+            self.spin.took(None if blocked is None else time.monotonic() - blocked)
             n = wire.frame_length(header, self.max_frame if max_frame is None else max_frame)
             body = self._read(n, deadline)
         except TimeoutError:
@@ -88,6 +128,16 @@ class Channel:
         except OSError as e:
             raise PeerError(f"receive failed: {e}") from None
         return wire.decode(body)
+
+    def _spin(self) -> float | None:
+        """Busy-wait for the next message while the spin lasts; ``None`` if it came (or TLS holds one already),
+        else when the blocking read begins."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return None
+        fd = self.sock.fileno()
+        if fd >= 0 and self.spin.start(time.monotonic_ns()) and _kvx.spin_readable(fd, self.spin.until):
+            return None
+        return time.monotonic()
 
     def _read(self, n: int, deadline: float | None) -> bytearray:
         buf = bytearray()

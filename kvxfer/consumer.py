@@ -22,7 +22,7 @@ import numpy as np
 
 from . import handshake, inline, tls, wire
 from .allocator import Allocator, FreeList
-from .channel import Channel, parse_address, remaining
+from .channel import SPIN, Channel, Spin, parse_address, remaining
 from .digest import mismatches
 from .errors import (
     AuthError,
@@ -97,6 +97,8 @@ class Consumer(HandleBase):
     handshake).
 
     ``tls`` (a server context, ``kvxfer.tls.server_context``): every control and TCP data connection is TLS.
+    ``spin``: seconds a control connection's reader busy-waits for the next message before it blocks
+    (``kvxfer.channel.Spin``); 0 never spins.
     """
 
     def __init__(
@@ -124,8 +126,10 @@ class Consumer(HandleBase):
         max_inflight_per_peer: int | None = None,
         max_msgs_per_sec: float = 20_000.0,
         tls: ssl.SSLContext | None = None,
+        spin: float = SPIN,
     ):
         host, port = parse_address(listen)
+        self.spin = Spin(spin).limit
         try:
             self.allowed = (
                 None
@@ -306,7 +310,7 @@ class Consumer(HandleBase):
                 log.info("kvxfer: TLS handshake failed: %s", e)
                 close(sock)
                 return
-        ch = Channel(sock, self.max_frame)
+        ch = Channel(sock, self.max_frame, spin=self.spin)
         try:
             first = ch.recv(self.handshake_timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
             if isinstance(first, wire.DataHello):

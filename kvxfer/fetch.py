@@ -146,7 +146,7 @@ class Fetches:
             # listener from peers it did not choose): a producer busy starting up may be slow to answer
             timeout = max(0.05, deadline - time.monotonic())
             end = time.monotonic() + timeout
-            ch = Channel(connect(address, timeout), c.max_frame)
+            ch = Channel(connect(address, timeout), c.max_frame, spin=c.spin)
             try:
                 first = ch.recv(timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
                 if isinstance(first, wire.Error):

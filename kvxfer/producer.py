@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import handshake, inline, wire
-from .channel import Channel, connect, parse_address, remaining
+from .channel import SPIN, Channel, Spin, connect, parse_address, remaining
 from .digest import block_digests
 from .errors import (
     BlockError,
@@ -102,6 +102,9 @@ class Producer(HandleBase):
     ``inline_max``: a whole push, offer or fetched hold of at most this many bytes from host memory travels
     inside its ``Admit`` or ``Offer`` (``kvxfer.inline``: fewer round trips, one copy per side); 0 always moves
     bytes over the transport.
+
+    ``spin``: seconds a control connection's reader busy-waits for the next message before it blocks
+    (``kvxfer.channel.Spin``: a small request's answers come without a thread wake-up); 0 never spins.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class Producer(HandleBase):
         tls: ssl.SSLContext | None = None,
         listen: str | None = None,
         inline_max: int = inline.DEFAULT,
+        spin: float = SPIN,
     ):
         if not 0 <= inline_max <= inline.LIMIT:
             raise ConfigError(f"inline_max must be within [0, {inline.LIMIT}], got {inline_max}")
@@ -130,6 +134,7 @@ class Producer(HandleBase):
         self.deadline = given_seconds(deadline, "deadline")  # every option is checked before anything opens
         self.lease = given_seconds(lease, "lease")
         self.connect_timeout = given_seconds(connect_timeout, "connect_timeout")
+        self.spin = Spin(spin).limit
         self._listener: socket.socket | None = None if where is None else listen_on(where)
         try:
             super().__init__(layout, transport, auth, options, peer_id, workers)
@@ -178,7 +183,8 @@ class Producer(HandleBase):
 
     def _handshake(self, address: str, timeout: float) -> _ProducerSession:
         parse_address(address)
-        return self._shake(Channel(connect(address, timeout, self.tls), self.max_frame), address, timeout)
+        ch = Channel(connect(address, timeout, self.tls), self.max_frame, spin=self.spin)
+        return self._shake(ch, address, timeout)
 
     def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
         """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
@@ -247,7 +253,7 @@ class Producer(HandleBase):
         """A consumer connected to fetch: the same handshake, this side speaking first, then its session."""
         sock.settimeout(self.connect_timeout)
         try:
-            s = self._shake(Channel(sock, self.max_frame), None, self.connect_timeout, host)
+            s = self._shake(Channel(sock, self.max_frame, spin=self.spin), None, self.connect_timeout, host)
         except KVXferError as e:
             log.info("kvxfer: fetching consumer from %s refused: %s", host, e)
             return

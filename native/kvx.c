@@ -8,6 +8,10 @@
  *   per piece on several threads (numpy's indexed copy went through a temporary: two copies).
  * - gather_blocks / scatter_blocks: a small request's pieces straight from its block ids and one layout side's
  *   piece table, into new bytes or out of a message (building its extents cost more than copying it).
+ * - spin_readable: a short busy-wait for a socket to turn readable, GIL released, yielding the core to any other
+ *   runnable thread: a thread that blocks in recv is woken by the kernel, and on a virtual machine waking an idle
+ *   core costs several loopback round trips (docs/performance.md); a reader that spins for the answer it expects
+ *   takes it at once.
  * - check_ids: range and duplicate check of a block-id vector in one pass over a bitmap; affine: a plan's
  *   offsets (ids * stride + offset) in one pass; run_starts: where runs of consecutive ids begin, in one pass.
  *
@@ -22,11 +26,13 @@
 #include <limits.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define BATCH 1024 /* iovecs per system call: Linux's IOV_MAX */
@@ -525,6 +531,38 @@ static PyObject *run_starts(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(k);
 }
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static PyObject *spin_readable(PyObject *self, PyObject *args) {
+    int fd;
+    Py_buffer until;
+    if (!PyArg_ParseTuple(args, "iw*", &fd, &until))
+        return NULL;
+    if (fd < 0 || until.len != sizeof(int64_t) || ((uintptr_t)until.buf % sizeof(int64_t))) {
+        PyBuffer_Release(&until);
+        PyErr_SetString(PyExc_ValueError, "spin_readable: an open socket and one aligned 8-byte deadline");
+        return NULL;
+    }
+    const int64_t *end = until.buf; /* others may move it later while we spin: read it every time */
+    int ready = 0;
+    Py_BEGIN_ALLOW_THREADS;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    do {
+        if (poll(&p, 1, 0) > 0) { /* readable, closed or failed: the read that follows says which */
+            ready = 1;
+            break;
+        }
+        sched_yield();
+    } while (now_ns() < __atomic_load_n(end, __ATOMIC_RELAXED));
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&until);
+    return PyBool_FromLong(ready);
+}
+
 static PyMethodDef methods[] = {
     {"sendv", sendv, METH_VARARGS,
      "sendv(fd, bases, sizes, region, offset, nbytes, timeout_ms) -> bytes sent: gather-send every extent"},
@@ -538,6 +576,9 @@ static PyMethodDef methods[] = {
      "gather_blocks(bases, sizes, region, offset, stride, nbytes, ids) -> bytes: every piece of every block"},
     {"scatter_blocks", scatter_blocks, METH_VARARGS,
      "scatter_blocks(bases, sizes, region, offset, stride, nbytes, ids, src): src into every piece of every block"},
+    {"spin_readable", spin_readable, METH_VARARGS,
+     "spin_readable(fd, until) -> bool: whether fd turned readable before the monotonic ns in until (an int64 "
+     "buffer others may move on; busy-wait, GIL released)"},
     {"affine", affine, METH_VARARGS, "affine(ids, stride, offset, out): out = ids * stride + offset"},
     {"check_ids", check_ids, METH_VARARGS, "check_ids(ids, num_blocks) -> 0 fine, 1 out of range, 2 repeated"},
     {"run_starts", run_starts, METH_VARARGS, "run_starts(a, b, out) -> k: out[:k] = where runs of consecutive ids begin"},

@@ -142,6 +142,8 @@ def _back_to(before: int, wait: float = 3.0) -> bool:
         {"tombstone_ttl": float("inf")},
         {"retry_after": "soon"},
         {"handshake_timeout": 0},
+        {"spin": -1},
+        {"spin": 1.0},
     ],
 )
 def test_consumer_options_out_of_range_are_config_errors_and_open_nothing(options):

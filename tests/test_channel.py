@@ -9,8 +9,8 @@ import tracemalloc
 
 import pytest
 
-from kvxfer import DeadlineError, PeerError, ProtocolError, wire
-from kvxfer.channel import Channel
+from kvxfer import ConfigError, DeadlineError, PeerError, ProtocolError, wire
+from kvxfer.channel import Channel, Spin
 
 
 @pytest.fixture
@@ -111,3 +111,54 @@ def test_eof_mid_body_is_a_peer_error(pair):
     peer.close()
     with pytest.raises(PeerError):
         ch.recv(1.0)
+
+
+# ---- the reader's spin ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("limit", [-1e-6, 0.5, True, "1e-4", float("nan")])
+def test_a_spin_outside_0_to_10ms_is_refused(limit):
+    with pytest.raises(ConfigError, match="spin"):
+        Spin(limit)
+
+
+def test_spin_zero_never_spins_even_after_a_send():
+    s = Spin(0)
+    now = time.monotonic_ns()
+    s.sent(now)
+    assert not s.start(now)
+
+
+def test_an_idle_reader_stops_spinning_and_a_quick_message_or_a_send_restarts_it():
+    s, now = Spin(1e-4), time.monotonic_ns()
+    assert s.start(now) and s.until[0] == now + 100_000
+    for k in range(Spin.IDLE_AFTER):  # every message came long after the spin gave up
+        now += 10_000_000
+        assert s.start(now), k
+        s.took(0.01)
+    now += 10_000_000
+    assert not s.start(now)  # idle: block at once
+    s.took(50e-6)  # one came soon after the reader blocked: spin again
+    assert s.start(now)
+    for _ in range(Spin.IDLE_AFTER):
+        s.took(0.01)
+    now += 10_000_000
+    assert not s.start(now)
+    s.sent(now)  # a send of ours: its answer is due
+    assert s.start(now + 50_000) and not s.start(now + 100_001)
+    s.took(None)  # it came during the spin
+    assert s.start(now + 200_000)
+
+
+def test_messages_arrive_whole_while_the_reader_spins_for_them(pair):
+    ch, peer = pair
+    msgs = [wire.Ack(req=f"r{i}", gen=i) for i in range(300)]
+
+    def send():
+        for i, m in enumerate(msgs):
+            if i % 3 == 0:
+                time.sleep(0.0002 * (i % 7))  # some inside the spin, some after it
+            peer.sendall(wire.encode(m))
+
+    th = threading.Thread(target=send, daemon=True)
+    th.start()
+    assert [ch.recv(5.0) for _ in msgs] == msgs
+    th.join(5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -375,3 +376,72 @@ def test_block_copies_refuse_a_block_outside_its_region_or_a_wrong_buffer():
     with pytest.raises(TypeError):
         _kvx.gather_blocks(bases, sizes, *table, np.array([0], np.int32))
     assert not mem.any()
+
+
+# ---- spin_readable: the reader's busy-wait -------------------------------------------------------------------
+def _until(seconds: float) -> np.ndarray:
+    return np.array([time.monotonic_ns() + int(seconds * 1e9)], np.int64)
+
+
+def test_spin_readable_sees_bytes_at_once_and_gives_up_at_its_deadline():
+    a, b = _pair()
+    try:
+        start = time.monotonic()
+        assert _kvx.spin_readable(a.fileno(), _until(0.02)) is False
+        assert 0.019 < time.monotonic() - start < 1.0  # spun to the deadline, then gave up
+        b.sendall(b"x")
+        start = time.monotonic()
+        assert _kvx.spin_readable(a.fileno(), _until(5.0)) is True
+        assert time.monotonic() - start < 1.0
+        assert a.recv(1) == b"x"  # looked, took nothing
+    finally:
+        a.close()
+        b.close()
+
+
+def test_spin_readable_follows_a_deadline_moved_while_it_spins_and_sees_a_peer_close():
+    a, b = _pair()
+    until = _until(0.05)
+    try:
+
+        def later():
+            until[0] = time.monotonic_ns() + int(5e9)  # a send of ours: its answer is due, spin on
+            time.sleep(0.2)
+            b.close()
+
+        th = threading.Thread(target=later)
+        start = time.monotonic()
+        th.start()
+        assert _kvx.spin_readable(a.fileno(), until) is True  # the close, past the first deadline
+        assert 0.15 < time.monotonic() - start < 4.0
+        th.join()
+        assert a.recv(1) == b""
+    finally:
+        a.close()
+
+
+def test_spin_readable_lets_other_threads_run():
+    a, b = _pair()
+    counted = []
+    try:
+        th = threading.Thread(target=lambda: counted.append(sum(range(2_000_000))))
+        th.start()
+        _kvx.spin_readable(a.fileno(), _until(0.5))
+        th.join(5)
+        assert counted, "a spinning reader held the GIL"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("until", [np.zeros(2, np.int64), np.zeros(1, np.int32), bytearray(7)])
+def test_spin_readable_refuses_a_closed_socket_or_a_deadline_of_the_wrong_shape(until):
+    a, b = _pair()
+    with pytest.raises(ValueError):
+        _kvx.spin_readable(a.fileno(), until)
+    a.close()
+    b.close()
+    with pytest.raises(ValueError):
+        _kvx.spin_readable(-1, np.zeros(1, np.int64))
+    with pytest.raises(TypeError):
+        _kvx.spin_readable(3, b"\0" * 8)  # read-only: the reader's deadline must be writable
