@@ -15,6 +15,7 @@ import pytest
 
 from kvxfer.bench import cli, content, models, patterns, report
 from kvxfer.bench.driver import _waves
+from kvxfer.channel import SPIN
 
 TINY = [
     "--model",
@@ -97,10 +98,15 @@ def test_cli_fails_on_a_corrupted_destination(tmp_path):
     assert "FAILED" in proc.stdout
 
 
-def test_cli_latency_mode(tmp_path):
-    proc, rows = run_cli(tmp_path, "--latency", "--requests", "24", "--concurrency", "4", "--request-blocks", "1-4")
+@pytest.mark.parametrize("spin", [None, "0"])
+def test_cli_latency_mode(tmp_path, spin):
+    extra = () if spin is None else ("--spin", spin)
+    proc, rows = run_cli(
+        tmp_path, "--latency", "--requests", "24", "--concurrency", "4", "--request-blocks", "1-4", *extra
+    )
     assert proc.returncode == 0, proc.stderr
     (r,) = rows
+    assert r["spin"] == (SPIN if spin is None else 0.0)
     assert r["kind"] == "latency" and r["requests"] == 24 and r["concurrency"] == 4
     assert r["req_s"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
     assert r["latency_clock"] == "consumer arrival"  # both halves on this machine share the clock
@@ -135,6 +141,10 @@ def test_cli_usage_errors():
     with pytest.raises(SystemExit) as e:
         cli.main(["--pattern", "diagonal"])
     assert e.value.code == 2
+    for spin in ("-1", "1", "nan"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--spin", spin, "--quiet"])
+        assert e.value.code == 2
 
 
 def test_transport_all_is_what_is_available():

@@ -56,6 +56,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..channel import SPIN
     from .models import DTYPES, PRESETS
     from .patterns import PATTERNS
 
@@ -149,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="same",
         help="nixl rows: raw NIXL with kvxfer's coalesced descriptors (same), or one per layer-block "
         "(per-block: what coalescing saves)",
+    )
+    r.add_argument(
+        "--spin",
+        type=float,
+        default=SPIN,
+        metavar="SECONDS",
+        help=f"how long both sides' control readers busy-wait for a message before they block (default: {SPIN:g}; "
+        "0: never)",
     )
     r.add_argument("--deadline", type=float, default=60.0, help="seconds any one transfer may take (default: 60)")
     r.add_argument("--seed", type=int, default=0, help="seed of the cache contents and block ids")
@@ -280,6 +289,8 @@ def _main(argv) -> int:
             return EXIT_FAILED
         return EXIT_OK
 
+    from ..channel import Spin
+    from ..errors import ConfigError
     from . import report
     from .driver import Settings
 
@@ -295,6 +306,10 @@ def _main(argv) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         parser.error("--warmup must be >= 0")
+    try:
+        Spin(args.spin)
+    except ConfigError as e:
+        parser.error(f"--spin: {e}")
     if args.plot and (why := report.plot_available()):
         parser.exit(EXIT_USAGE, f"kvxfer-bench: error: {why}\n")
     block_sizes = args.block_size or (PLOT_BLOCK_SIZES if args.plot else [geom.block_size])
@@ -313,6 +328,7 @@ def _main(argv) -> int:
         request_blocks=args.request_blocks,
         tcp_streams=args.tcp_streams,
         nixl_baseline=args.nixl_baseline,
+        spin=args.spin,
         deadline=args.deadline,
         seed=args.seed,
     )

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from .. import tls, transports
+from ..channel import SPIN
 from ..consumer import Consumer
 from ..layout import KVLayout
 from ..transfer import Arrival
@@ -133,7 +134,13 @@ class ConsumerHalf:
         return {"layout": msgspec.to_builtins(self.layout.desc())}
 
     def op_open(
-        self, transport: str, options: dict, deadline: float, cert: str | None = None, key: str | None = None
+        self,
+        transport: str,
+        options: dict,
+        deadline: float,
+        cert: str | None = None,
+        key: str | None = None,
+        spin: float = SPIN,
     ) -> dict:
         """A Consumer over the set-up cache; with ``cert`` / ``key`` (PEM) its connections are TLS."""
         self.op_close()
@@ -151,6 +158,7 @@ class ConsumerHalf:
             deadline=deadline,
             max_inflight=4096,
             tls=server,
+            spin=spin,
         )
         self.arrived = {}
         return {"address": self.consumer.address, "transport": self.consumer.transport_name}

@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from .. import tls, wire
+from ..channel import SPIN
 from ..errors import KVXferError
 from ..layout import KVLayout
 from ..plan import make_plan, pair
@@ -47,6 +48,7 @@ class Settings:
     request_blocks: tuple[int, int] = (1, 16)
     tcp_streams: int | None = None  # None: the transport's default
     nixl_baseline: str = "same"
+    spin: float = SPIN  # both handles' control readers (kvxfer.channel.Spin)
     deadline: float = 60.0
     seed: int = 0
 
@@ -243,14 +245,22 @@ class Driver:
         base, with_tls = certs.split(name)
         opts = {"streams": s.tcp_streams} if base == "tcp" and s.tcp_streams is not None else {}
         cert_pem, key_pem = certs.self_signed() if with_tls else (None, None)
-        opened = self.ctl.call("open", transport=base, options=opts, deadline=s.deadline, cert=cert_pem, key=key_pem)
+        opened = self.ctl.call(
+            "open", transport=base, options=opts, deadline=s.deadline, cert=cert_pem, key=key_pem, spin=s.spin
+        )
         address = self._address(opened["address"])
         client = None
         if cert_pem is not None:
             with certs.files(cert_pem) as d:
                 client = tls.client_context(f"{d}/cert.pem", check_hostname=False)
         producer = Producer(
-            self.layout, transport=base, deadline=s.deadline, lease=s.deadline, transport_options=opts, tls=client
+            self.layout,
+            transport=base,
+            deadline=s.deadline,
+            lease=s.deadline,
+            transport_options=opts,
+            tls=client,
+            spin=s.spin,
         )
         ref: _SocketRef | _NixlRef | _UcxRef | None = None
         ref_error = ""
@@ -317,6 +327,7 @@ class Driver:
             "memcpy_ratio": None,
             "repeats": self.s.repeats,
             "warmup": self.s.warmup,
+            "spin": self.s.spin,
             "verified": False,
             "verified_bytes": 0,
             "error": None,
