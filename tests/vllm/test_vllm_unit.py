@@ -58,6 +58,10 @@ def test_parse_claim_and_settings(vh):
     assert parse_claim({"kvxfer": {"lease": 99}}, "r", held).lease == 20  # capped by the configured lease
     for bad_lease in (0, -1, "soon"):
         assert parse_claim({"kvxfer": {"lease": bad_lease}}, "r", held).error
+    assert Settings.from_extra({"spin": 0}).spin == 0 and Settings.from_extra({}).spin == 1e-4
+    for bad_spin in (-1, 1, "nan"):
+        with pytest.raises(ValueError, match="spin"):
+            Settings.from_extra({"spin": bad_spin})
     with pytest.raises(ValueError):
         Settings.from_extra({"deadline": 0})
     with pytest.raises(ValueError):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ... import inline, wire
-from ...channel import parse_address
+from ...channel import SPIN, Spin, parse_address
 from ...errors import ConfigError
 from .ranks import ports_fit
 
@@ -39,6 +39,7 @@ class Settings:
     lease: float = 30.0  # prefill: seconds a held prompt waits to be fetched
     consumer_listen: str = "127.0.0.1:0"  # decode: the fetching Consumer's listen address
     inline_max: int = inline.DEFAULT  # prefill: a push or hold of at most this many bytes travels inline (0: never)
+    spin: float = SPIN  # seconds the control readers busy-wait for a message before they block (0: never)
     parallel: tuple[int, int] = (1, 1)  # not a config key: this instance's (TP, PP) sizes, from vLLM's config
 
     KEYS = (
@@ -57,6 +58,7 @@ class Settings:
         "lease",
         "consumer_listen",
         "inline_max",
+        "spin",
     )
 
     @classmethod
@@ -90,7 +92,12 @@ class Settings:
             lease=float(extra.get("lease", 30.0)),
             consumer_listen=str(extra.get("consumer_listen") or "127.0.0.1:0"),
             inline_max=int(extra.get("inline_max", inline.DEFAULT)),
+            spin=float(extra.get("spin", SPIN)),
         )
+        try:
+            Spin(s.spin)
+        except ConfigError as e:
+            raise ValueError(f"kvxfer: {e}") from None
         if not 0 <= s.inline_max <= inline.LIMIT:
             raise ValueError(f"kvxfer: inline_max must be within [0, {inline.LIMIT}], got {s.inline_max}")
         if s.deadline <= 0 or s.connect_timeout <= 0 or s.ship_threads < 1 or s.producer_workers < 1 or s.lease <= 0:

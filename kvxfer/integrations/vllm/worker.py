@@ -243,6 +243,7 @@ class KVXferWorker:
                 workers=s.producer_workers,
                 listen=s.listen or None,
                 inline_max=s.inline_max,
+                spin=s.spin,
             )
         if self.fetch:
             # fetches land in blocks vLLM chose: the allocator grants nothing, so unsolicited pushes are Busy
@@ -255,6 +256,7 @@ class KVXferWorker:
                 deadline=s.deadline,
                 transport_options=s.transport_options,
                 queue_arrivals=False,
+                spin=s.spin,
             )
         with self._lock:
             self.layout, self.ratio, self.producer, self.consumer = layout, ratio, producer, consumer
