@@ -421,6 +421,8 @@ class Consumer(HandleBase):
                 return
             if slot is not None:
                 self._deliver(slot, "push")
+            else:  # the bytes have landed by now, but a transport that learns so by polling has not yet seen it
+                s.transport.expect()
             return
         if isinstance(msg, wire.Cancel):
             slot = self.grants.cancel(s.sid, msg.req, msg.gen, CancelledError(f"producer cancelled: {msg.reason}"), now)

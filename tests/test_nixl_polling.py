@@ -12,7 +12,7 @@ from kvxfer import KVLayout
 
 pytest.importorskip("nixl_cu13")
 
-from kvxfer.transports.nixl import NixlTransport, _AgentLock
+from kvxfer.transports.nixl import FAST_WINDOW, NixlTransport, _AgentLock
 
 
 class CountingAgent:
@@ -53,6 +53,19 @@ def test_expecting_bytes_polls_fast_again(transport):
     transport.expect()
     fast = _polls_in(transport, 0.3)
     assert fast > 3 * 0.3 / transport.poll_idle, fast  # a push's arrival is noticed within about a millisecond
+
+
+@pytest.mark.quiet  # counts wake-ups 0.1 ms apart: a loaded machine stretches them
+def test_expecting_bytes_polls_every_fast_poll_for_a_moment_then_slower(transport):
+    """A peer's WRITE completes only once this side progressed its notification: right after a Grant the poller
+    runs at FAST_POLL (0.1 ms), more often than ``poll_interval`` allows, and only for FAST_WINDOW."""
+    time.sleep(0.2)
+    transport.expect()
+    first = _polls_in(transport, FAST_WINDOW)
+    assert first > FAST_WINDOW / transport.poll_interval, first  # 0.5 ms polls alone would be 40
+    time.sleep(0.05)
+    later = _polls_in(transport, 0.3)
+    assert later <= 0.3 / transport.poll_interval + 5, later  # still busy, but no faster than poll_interval
 
 
 def test_a_caller_waiting_for_the_agent_goes_before_the_poller():
