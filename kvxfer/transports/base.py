@@ -144,8 +144,9 @@ class Transport(ABC):
         """A link to ``peer``, called on both sides once the handshake succeeded."""
 
     def expect(self) -> None:
-        """A peer was just told to move bytes here or read them from here (a Grant, an Offer): a transport that
-        polls for arrivals or progress polls fast for a while; a no-op for the others."""
+        """A peer was just told to move bytes here or read them from here (a Grant, an Offer), or said it moved
+        them before this side saw them land (a Done): a transport that polls for arrivals or progress polls now and
+        fast for a while; a no-op for the others."""
 
     def accept_data(self, sock, hello) -> None:
         """Consumer: a data connection of this transport arrived on the listening socket."""
