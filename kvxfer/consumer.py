@@ -648,14 +648,10 @@ class Consumer(HandleBase):
         return err
 
     def _reap(self, now: float) -> None:
-        for slot in self.grants.expired(now):
-            missing = slot.senders - len(slot.parts) if slot.senders > 1 else 0
-            err = DeadlineError(
-                f"request {slot.req!r} passed its deadline"
-                + (f" ({missing} of {slot.senders} senders never came)" if missing else "")
-            )
-            self._fail_slot(slot, err)
-            self._tell_members(slot, functools.partial(_error_for, slot.req, err))
+        for slot in self.grants.expire(now, _overdue):
+            self._failed(slot)
+            self._tell_members(slot, functools.partial(_error_for, slot.req, slot.error))
+        self.fetches.finish_freed()
         self.grants.reap(now)
         self.fetches.reap(now)
 
@@ -748,7 +744,7 @@ class Consumer(HandleBase):
         except Exception as e:
             error = PeerError(f"read failed: {e!r}")
         self.grants.end_receive(slot, 0 if error else moved, time.monotonic())
-        error = error or slot.error or self._integrity(slot)
+        error = error or slot.error or self._integrity(slot) or self.grants.releasing(slot)
         if error is not None:
             return self._pull_failed(s, slot, error)
         if not s.send(wire.Released(req=slot.req, gen=slot.lease_gen, nbytes=moved)):
@@ -825,6 +821,15 @@ class Consumer(HandleBase):
         self.fetches.finish_freed()
         with self._lock:  # a hand-off under way when the close began: its arrival is queued before we return
             self._delivered.wait_for(lambda: not self._delivering - {threading.get_ident()}, HAND_OFF_WAIT)
+
+
+def _overdue(slot: Slot) -> DeadlineError:
+    missing = slot.senders - len(slot.parts) if slot.senders > 1 else 0
+    return DeadlineError(
+        f"request {slot.req!r} passed its deadline"
+        + (f" ({missing} of {slot.senders} senders never came)" if missing else "")
+        + (" (the producer never answered its Released)" if slot.released else "")
+    )
 
 
 def _tell(ch: Channel, msg) -> None:

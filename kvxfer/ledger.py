@@ -14,6 +14,7 @@ import itertools
 import math
 import numbers
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,9 @@ from .errors import (
 from .plan import byte_ranges, range_bytes
 
 _generations = itertools.count(1)
+
+# seconds a pull whose Released went out waits past its deadline for the producer's Ack or Error
+VERDICT_WAIT = 5.0
 
 
 class State(enum.Enum):
@@ -95,6 +99,7 @@ class Slot:
     digests: bytes = b""
     landed: int = 0
     done: bool = False
+    released: bool = False  # a pull whose Released went out: the producer's Ack or Error ends it (VERDICT_WAIT)
     moving: int = 0  # receives in progress into these blocks
     error: KVXferError | None = None
     state: State = State.GRANTED
@@ -566,8 +571,29 @@ class Grants:
 
     @_locked
     def expired(self, now: float) -> list[Slot]:
-        """Active slots past their deadline (the caller fails them)."""
-        return [s for s in self.active.values() if s.deadline <= now]
+        """Active slots past their deadline. A pull whose every byte landed and whose ``Released`` went out is
+        the producer's to end (its ``Ack`` or ``Error`` says whether the lease held): it waits ``VERDICT_WAIT``
+        past its deadline for that answer, so that a consumer stopped for a moment after sending ``Released``
+        does not fail a request its producer confirmed."""
+        return [s for s in self.active.values() if s.deadline + (VERDICT_WAIT if s.released else 0.0) <= now]
+
+    @_locked
+    def expire(self, now: float, error: Callable[[Slot], KVXferError]) -> list[Slot]:
+        """Fail every slot ``expired`` names with ``error(slot)``, in one step with the check (a pull's
+        ``Released`` cannot go out between them); returns the slots failed."""
+        out = self.expired(now)
+        for slot in out:
+            self.fail(slot.req, error(slot), now)
+        return out
+
+    @_locked
+    def releasing(self, slot: Slot) -> KVXferError | None:
+        """A pull's bytes all landed and its ``Released`` is about to go out: from now on the producer's answer
+        ends it (``expired``). The slot's error instead, if it failed first (then no ``Released`` goes out)."""
+        if slot.error is not None:
+            return slot.error
+        slot.released = True
+        return None
 
     @_locked
     def reap(self, now: float) -> int:

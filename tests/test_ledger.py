@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvxfer import BlockError, BusyError, CancelledError, ClosedError, DeadlineError, FreeList, StaleError
-from kvxfer.ledger import Grants, Leases
+from kvxfer.ledger import VERDICT_WAIT, Grants, Leases
 
 
 def _grants(**kw):
@@ -336,3 +336,23 @@ def test_ranges_are_rechecked_unless_they_cannot_have_changed():
     base[0, 0] = 5  # a single sender no longer fills its blocks
     with pytest.raises(BlockError, match="every byte"):
         g.admit(1, "view2", 1, 10, 0, ranges=view)
+
+
+def test_a_released_pull_waits_for_its_verdict_past_the_deadline():
+    g = _grants()
+    waiting = g.admit_pull(1, "released", 1, 5, 0, lease_gen=3)
+    g.admit_pull(1, "reading", 1, 5, 0, lease_gen=4)
+    g.begin_receive(waiting)
+    g.end_receive(waiting, waiting.nbytes, now=1)
+    assert g.releasing(waiting) is None
+    assert [s.req for s in g.expired(now=5)] == ["reading"]  # the other has its Released out: the producer decides
+    failed = g.expire(5, lambda s: DeadlineError(f"{s.req} late"))
+    assert [s.req for s in failed] == ["reading"] and g.allocator.num_free == 15
+    assert g.expire(5 + VERDICT_WAIT - 0.01, lambda s: DeadlineError("late")) == []
+    assert g.confirm(waiting) is waiting  # an Ack in time hands it off
+    late = g.admit_pull(1, "unanswered", 1, 5, 0, lease_gen=5)
+    g.begin_receive(late)
+    g.end_receive(late, late.nbytes, now=1)
+    assert g.releasing(late) is None
+    assert [s.req for s in g.expire(5 + VERDICT_WAIT, lambda s: DeadlineError("no verdict"))] == ["unanswered"]
+    assert isinstance(g.releasing(late), DeadlineError)  # failed first: no Released may go out for it

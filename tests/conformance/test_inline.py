@@ -2,12 +2,13 @@
 transport and layout; larger pushes and ``inline_max=0`` use the transport; bad inline bytes from a peer are
 refused with nothing leaked; failures end as for any push."""
 
+import time
 import zlib
 
 import numpy as np
 import pytest
 
-from kvxfer import BlockError, ConfigError, DeadlineError, Producer, wire
+from kvxfer import BlockError, ConfigError, DeadlineError, Producer, ledger, wire
 from kvxfer.digest import block_digests
 
 from .conftest import SENTINEL, pick, source_views
@@ -210,3 +211,40 @@ def test_an_inline_offer_is_handed_off_only_on_the_producers_ack(consumers, tran
     assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payload).to_bytes(4, "little")
     assert consumer.release("kept")
     assert consumer.stats()["free_blocks"] == spec.num_blocks
+
+
+def test_a_released_offer_waits_for_the_producers_answer_past_its_deadline(consumers, transport, monkeypatch):
+    """Once the consumer sent ``Released`` the producer decides: an ``Ack`` that comes after the consumer's own
+    deadline (a consumer stopped a moment after its Released, a slow link) still hands the request off, so both
+    sides agree it succeeded (CI, 2026-12-06: the reaper had failed such a pull the producer confirmed). An answer
+    that never comes ends it ``VERDICT_WAIT`` past the deadline, told to the producer, every block back."""
+    monkeypatch.setattr(ledger, "VERDICT_WAIT", 1.0)
+    spec = Spec()
+    consumer = consumers(spec, deadline=0.3)
+    tensors, kw, _, _ = spec.build(seed=1)
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(spec.layout(tensors, kw), transport), wire.Welcome)
+    size = consumer.layout.block_bytes
+    ids = wire.ids_to_bytes(np.array([2]))
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    raw.send(wire.Offer(req="slow-ack", gen=7, ids=ids, lease_ms=5000, data=payload))
+    assert isinstance(raw.recv(), wire.Released)
+    time.sleep(0.6)  # past the consumer's 0.3 s deadline, not past deadline + VERDICT_WAIT
+    assert consumer.stats()["inflight"] == 1
+    raw.send(wire.Ack(req="slow-ack", gen=7))
+    a = consumer.get(5)
+    assert (a.req, a.kind) == ("slow-ack", "pull")
+    assert block_digests(consumer.layout, a.block_ids) == zlib.crc32(payload).to_bytes(4, "little")
+    assert consumer.release("slow-ack")
+
+    start = time.monotonic()
+    raw.send(wire.Offer(req="no-answer", gen=8, ids=ids, lease_ms=5000, data=payload))
+    assert isinstance(raw.recv(), wire.Released)
+    told = raw.recv()  # the consumer gives up on the answer and says so
+    assert isinstance(told, wire.Error) and (told.req, told.gen, told.code) == ("no-answer", 8, "timeout"), told
+    assert "never answered its Released" in told.message
+    assert time.monotonic() - start >= 1.0
+    assert wait_for(lambda: consumer.stats()["free_blocks"] == spec.num_blocks, 5)
+    with pytest.raises(DeadlineError):
+        consumer.get(0.2)
+    raw.close()
