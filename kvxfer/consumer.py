@@ -651,9 +651,8 @@ class Consumer(HandleBase):
         for slot in self.grants.expire(now, _overdue):
             self._failed(slot)
             self._tell_members(slot, functools.partial(_error_for, slot.req, slot.error))
-        self.fetches.finish_freed()
         self.grants.reap(now)
-        self.fetches.reap(now)
+        self.fetches.reap(now)  # hands the blocks of failed fetches back to their callers too
 
     # ---- pull -------------------------------------------------------------------------------------------
     def _offered(self, s: _ConsumerSession, msg: wire.Offer, now: float) -> None:

@@ -215,9 +215,11 @@ class NixlTransport(Transport):
         return link
 
     def expect(self) -> None:
-        now = time.monotonic()
-        self._busy_until, self._fast_until = now + BUSY_WINDOW, now + FAST_WINDOW
+        self._stay_fast(time.monotonic())
         self._wake.set()
+
+    def _stay_fast(self, now: float) -> None:
+        self._busy_until, self._fast_until = now + BUSY_WINDOW, now + FAST_WINDOW
 
     def disconnect(self, session: int) -> None:
         with self.lock:
@@ -261,7 +263,7 @@ class NixlTransport(Transport):
                         cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
             now = time.monotonic()
             if got:  # more may follow: stay fast (no self-wake: this sleep is already the short one)
-                self._busy_until, self._fast_until = now + BUSY_WINDOW, now + FAST_WINDOW
+                self._stay_fast(now)
             busy = now < self._busy_until
             idle = self.poll_interval if got else min(idle * 2, 2 * self.poll_interval if busy else self.poll_idle)
             if now < self._fast_until:
