@@ -31,9 +31,16 @@ def one_stream(transport: str) -> dict:
     return {"transport_options": {"streams": 1}} if transport == "tcp" else {}
 
 
+# the consumer's kernel buffer for a pull's bytes: this machine's tcp_rmem lets one grow to 32 MiB, which a stopped
+# consumer's producer fills in one stop, so that a 64 MiB pull was whole in a few running slices (CI saw a
+# lease-ended pull with 100% of its bytes); 256 KiB makes each slice land about 512 KiB (the kernel doubles it)
+RCVBUF = 256 << 10
+
+
 @pytest.fixture
 def consumer(transport):
-    c = ConsumerChild(SPEC, transport, quarantine=0.2, deadline=20.0, **one_stream(transport))
+    paced = {**one_stream(transport), "rcvbuf": RCVBUF} if transport == "tcp" else {}
+    c = ConsumerChild(SPEC, transport, quarantine=0.2, deadline=20.0, **paced)
     yield c
     c.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 import traceback
@@ -228,7 +229,11 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
     tensors, kw, _, _ = spec.build(fill=0)
     layout = spec.layout(tensors, kw)
     guard = GuardedAllocator(layout)
+    rcvbuf = options.pop("rcvbuf", None)
     consumer = Consumer(layout, transport=transport, allocator=guard, **options)
+    if rcvbuf:
+        # connections accepted from now on inherit the listener's receive buffer (Linux copies it at accept)
+        consumer._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     blocks = BlockBytes(layout)
     untyped: list[str] = []
     watch_untyped(untyped)
@@ -302,7 +307,11 @@ def _consumer_main(conn, spec: Spec, transport: str, options: dict) -> None:
 
 
 class ConsumerChild(PipedProcess):
-    """A kvxfer Consumer over a ``GuardedAllocator`` in its own process (so a test can slow it down)."""
+    """A kvxfer Consumer over a ``GuardedAllocator`` in its own process (so a test can slow it down).
+
+    ``rcvbuf``: the kernel receive buffer of every TCP connection it accepts (a host with smaller socket buffers
+    than this one, whose ``tcp_rmem`` lets a stopped consumer's buffer fill with tens of MiB).
+    """
 
     what = "consumer process"
 
