@@ -332,29 +332,53 @@ def _merges_likely(sides) -> bool:
     return bool(np.count_nonzero(head) >= RARE_MERGES * len(head))
 
 
-def _single_piece(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
-    """One piece: adjacency is a property of the ids alone (when blocks are packed), and offsets are computed
-    only where runs start. Page faults of fresh 8-byte arrays dominate at a million blocks."""
-    size = int(nbytes[0])
-    if n == 1 or any(int(s.stride[0]) != size for s, _ in sides) or not _merges_likely(sides):
-        return _unmerged(sides, _all_offsets(sides), nbytes, n)
+def _packed(sides, nbytes: np.ndarray) -> bool:
+    """Whether every piece is packed on every side: its block stride is its size, so consecutive ids are adjacent
+    bytes in every piece alike."""
+    return all(bool((s.stride == nbytes).all()) for s, _ in sides)
+
+
+def _packed_runs(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...] | None:
+    """Packed pieces' extents: runs of consecutive ids are found once for all pieces (native) and offsets computed
+    only where runs start, so a sequential request of 32 layers plans 32 extents, not 32 x n (page faults of fresh
+    8-byte arrays dominate at a million blocks); a piece's last run goes on into the next piece's first where both
+    sides hold them back to back, as in the general scan. None when the ids barely run on."""
     starts = np.empty(n, dtype=np.int64)  # pages only as far as written: one entry for a sequential request
     runs = _kvx.run_starts(sides[0][1], sides[-1][1], starts)
     if runs > n * (1 - RARE_MERGES):
-        return _unmerged(sides, _all_offsets(sides), nbytes, n)
+        return None
     starts = starts[:runs]
+    p = len(nbytes)
+    lens = (np.diff(np.append(starts, n)) * nbytes[:, None]).ravel()
+    offs = [(ids[starts] * s.stride[:, None] + s.offset[:, None]).ravel() for s, ids in sides]
+    keep = slice(None)
+    if p > 1:
+        last, first = np.arange(1, p) * runs - 1, np.arange(1, p) * runs
+        join = np.ones(p - 1, dtype=bool)
+        for (s, _), off in zip(sides, offs, strict=True):
+            join &= (s.region[1:] == s.region[:-1]) & (off[last] + lens[last] == off[first])
+        if join.any():
+            brk = np.ones(p * runs, dtype=bool)
+            brk[first[join]] = False
+            keep = np.flatnonzero(brk)
+            lens = np.add.reduceat(lens, keep)
     out = []
-    for s, ids in sides:
-        out += [np.broadcast_to(s.region[0], runs), _offsets(s, ids[starts])]
-    run = np.diff(np.append(starts, n)) * size
-    return (*out, run)
+    for (s, _), off in zip(sides, offs, strict=True):
+        out += [np.repeat(s.region, runs)[keep], off[keep]]
+    return (*out, lens)
 
 
 def _coalesce(sides: list[tuple[Side, np.ndarray]], nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """Piece-major extents for each (side, ids), merged where adjacent on every given side."""
     p = len(nbytes)
-    if p == 1:
-        return _single_piece(sides, nbytes, n)
+    if n > 1 and _packed(sides, nbytes):
+        if n > SAMPLE and not _merges_likely(sides):  # shuffled: skip the scan, whose pages cost more than it saves
+            return _unmerged(sides, _all_offsets(sides), nbytes, n)
+        runs = _packed_runs(sides, nbytes, n)
+        if runs is not None:
+            return runs
+    if p == 1:  # one piece merges only within itself: packed above, else never
+        return _unmerged(sides, _all_offsets(sides), nbytes, n)
     total = p * n
     offs = _all_offsets(sides)
     lens = np.repeat(nbytes, n)

@@ -141,6 +141,44 @@ def test_a_big_plan_worked_on_both_sides_at_once_equals_one_worked_in_turn(monke
             assert np.array_equal(getattr(x, f), getattr(y, f)), f
 
 
+def _kv_leading(nb=32, L=3):
+    """K then V of every layer in one tensor: the last block of a layer's K and the first of its V are back to
+    back, so a request of every block merges across the piece boundary."""
+    return KVLayout.from_tensors([np.zeros((2, nb, 4, 2, 4), np.uint8) for _ in range(L)], block_size=4, dims="KBNHD")
+
+
+@pytest.mark.parametrize("ka", ["per", "cross", "kv", "kv_leading"])
+@pytest.mark.parametrize("kb", ["per", "kv_leading"])
+@pytest.mark.parametrize("pattern", ["all", "run", "runs", "permuted", "one"])
+def test_packed_pieces_plan_as_the_general_scan_does(monkeypatch, ka, kb, pattern):
+    """Packed pieces find their runs once for every piece; the plan is the general piece-by-piece scan's, array
+    for array, merges across a piece boundary included (``kv_leading`` with every block). Three layers: every
+    pairing has several pieces (one piece alone, unpacked, takes a shortcut that never merges)."""
+    from kvxfer import plan
+
+    a, b = (_kv_leading() if k == "kv_leading" else _layout(k) for k in (ka, kb))
+    rng = np.random.default_rng(len(ka) * 7 + len(kb))
+    src, dst = {
+        "all": (np.arange(32), np.arange(32)),
+        "run": (np.arange(3, 20), np.arange(10, 27)),
+        "runs": (np.r_[0:5, 9:20, 25:30], np.r_[2:12, 14:20, 27:32]),
+        "permuted": (rng.permutation(32), rng.permutation(32)),
+        "one": (np.array([31]), np.array([0])),
+    }[pattern]
+    fast = make_plan(pair(a, b), src, dst, 32, 32)
+    one_side = extents(pair(a, b).b, pair(a, b).nbytes, dst, 32)
+    monkeypatch.setattr(plan, "_packed", lambda sides, nbytes: False)
+    general = make_plan(pair(a, b), src, dst, 32, 32)
+    for x, y in ((fast.src, general.src), (fast.dst, general.dst)):
+        for f in ("region", "offset", "nbytes"):
+            assert np.array_equal(getattr(x, f), getattr(y, f)), f
+    if pattern == "all" and ka == kb == "kv_leading":
+        assert len(fast) == 3  # K and V of each layer: one descriptor
+    ref = extents(pair(a, b).b, pair(a, b).nbytes, dst, 32)
+    for f in ("region", "offset", "nbytes"):
+        assert np.array_equal(getattr(one_side, f), getattr(ref, f)), f
+
+
 @pytest.mark.parametrize(
     "bad,msg",
     [
