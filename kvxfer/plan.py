@@ -351,7 +351,7 @@ def _packed_runs(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...] | 
     p = len(nbytes)
     lens = (np.diff(np.append(starts, n)) * nbytes[:, None]).ravel()
     offs = [(ids[starts] * s.stride[:, None] + s.offset[:, None]).ravel() for s, ids in sides]
-    keep = slice(None)
+    keep: slice | np.ndarray = slice(None)
     if p > 1:
         last, first = np.arange(1, p) * runs - 1, np.arange(1, p) * runs
         join = np.ones(p - 1, dtype=bool)
@@ -360,8 +360,8 @@ def _packed_runs(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...] | 
         if join.any():
             brk = np.ones(p * runs, dtype=bool)
             brk[first[join]] = False
-            keep = np.flatnonzero(brk)
-            lens = np.add.reduceat(lens, keep)
+            keep = idx = np.flatnonzero(brk)
+            lens = np.add.reduceat(lens, idx)
     out = []
     for (s, _), off in zip(sides, offs, strict=True):
         out += [np.repeat(s.region, runs)[keep], off[keep]]
