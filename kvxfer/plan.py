@@ -360,8 +360,8 @@ def _packed_runs(sides, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...] | 
         if join.any():
             brk = np.ones(p * runs, dtype=bool)
             brk[first[join]] = False
-            keep = idx = np.flatnonzero(brk)
-            lens = np.add.reduceat(lens, idx)
+            keep = np.flatnonzero(brk)
+            lens = np.add.reduceat(lens, keep)
     out = []
     for (s, _), off in zip(sides, offs, strict=True):
         out += [np.repeat(s.region, runs)[keep], off[keep]]
