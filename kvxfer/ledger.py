@@ -640,10 +640,16 @@ class Lease:
     ids: np.ndarray
     expires: float
     chunks: int | None = None  # the reader pages with other tokens per block: the request's chunk count
+    readers: int = 0  # reads being served from its blocks now
+    error: KVXferError | None = None  # why it ended (released, expired, cancelled): a read being served stops
+    unread: list[Callable[[], None]] = field(default_factory=list)  # what runs once it ended and no read serves
 
 
 class Leases:
-    """The producer's pull offers: blocks readable by one consumer until the lease expires or is released."""
+    """The producer's pull offers: blocks readable by one consumer until the lease expires or is released.
+
+    A lease ends before its reads stop (each sees ``error`` and stops); what may reuse its blocks waits in
+    ``when_unread`` for the last of them, so no byte leaves a block once its owner was told it is free."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -657,7 +663,8 @@ class Leases:
 
     @_locked
     def check_read(self, peer: int, req: str, gen: int, ids: np.ndarray, now: float) -> Lease:
-        """The lease a reader may read from, if ``ids`` are exactly the offered blocks."""
+        """The lease a reader may read from, if ``ids`` are exactly the offered blocks; the read counts as
+        served until ``end_read``."""
         item = self.active.get((req, gen))
         if item is None or item.peer != peer:
             raise StaleError(f"no live offer for request {req!r} generation {gen}")
@@ -665,7 +672,27 @@ class Leases:
             raise StaleError(f"the lease of request {req!r} expired")
         if len(ids) != len(item.ids) or not np.array_equal(ids, item.ids):
             raise BlockError(f"request {req!r} reads blocks that were not offered")
+        item.readers += 1
         return item
+
+    def end_read(self, item: Lease) -> None:
+        """A read of ``item`` stopped: no byte of it leaves the blocks any more."""
+        with self.lock:
+            item.readers -= 1
+            due = item.readers == 0 and item.error is not None
+            run, item.unread = (item.unread, []) if due else ([], item.unread)
+        for fn in run:
+            fn()
+
+    def when_unread(self, item: Lease, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once ``item`` ended and none of its reads serves: now, or at the last ``end_read``."""
+        with self.lock:
+            if item.error is None:
+                raise ProtocolError(f"the lease of {item.req!r} was waited on before it ended")
+            if item.readers:
+                item.unread.append(fn)
+                return
+        fn()
 
     @_locked
     def release(self, req: str, gen: int, now: float) -> Lease:
@@ -673,13 +700,17 @@ class Leases:
         item = self.active.pop((req, gen), None)
         if item is None:
             raise StaleError(f"no live offer for request {req!r} generation {gen}")
+        item.error = StaleError(f"request {req!r} was released")
         if item.expires <= now:
             raise StaleError(f"the lease of request {req!r} expired before it was released")
         return item
 
     @_locked
-    def drop(self, req: str, gen: int) -> Lease | None:
-        return self.active.pop((req, gen), None)
+    def drop(self, item: Lease, error: KVXferError) -> None:
+        """End ``item`` (unless it ended): no read starts from now on, and those being served stop."""
+        self.active.pop((item.req, item.gen), None)
+        if item.error is None:
+            item.error = error
 
     @_locked
     def expired(self, now: float) -> list[Lease]:

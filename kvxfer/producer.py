@@ -454,7 +454,8 @@ class Producer(HandleBase):
         seconds = max(0.0, t.deadline - time.monotonic())
         tokens = self._tokens(s, t)
         t.chunks = None if tokens is None else s.link.paging().chunks(tokens)
-        t.gen = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic(), t.chunks).gen
+        t._lease = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic(), t.chunks)
+        t.gen = t._lease.gen
         s.transport.expect()
         s.send(
             wire.Offer(
@@ -549,7 +550,8 @@ class Producer(HandleBase):
         ids = r.src_ids[msg.skip : msg.skip + n]
         seconds = max(0.0, r.deadline - now)
         r.chunks = None if tokens is None else paging.chunks(tokens)
-        r.gen = self.leases.offer(s.peer.session, r.req, ids, seconds, now, r.chunks).gen
+        r._lease = self.leases.offer(s.peer.session, r.req, ids, seconds, now, r.chunks)
+        r.gen = r._lease.gen
         t._mark(Status.MOVING, "admitted")
         r._mark(Status.MOVING, "admitted")
         digests = self._digests(s, r.digests[4 * msg.skip : 4 * (msg.skip + n)])
@@ -589,22 +591,38 @@ class Producer(HandleBase):
         return self._sessions.get(t.address)
 
     def _end(self, t: Transfer, error: KVXferError | None, status: Status | None = None) -> None:
+        """End ``t``: at once, or for a pull or a hold once no read is served from its blocks any more (its
+        owner may reuse them as soon as it ended)."""
         with self._lock:
             s = self._session_of(t)
             if s is not None and s.transfers.get(t.req) is t:
                 del s.transfers[t.req]
-            if t.kind in ("pull", "hold"):
-                self.leases.drop(t.req, t.gen)
             if t.kind == "hold" and self._holds.get(t.req) is t:
                 del self._holds[t.req]
+            reading = [r for r in t.reads if not r.done()]
+            if reading and t._ending is None:  # a hold several consumers read: it ends after its last read
+                t._ending = (error, status)
+        lease = t._lease
+        if reading:
+            return
+        if lease is None:
+            return self._ended(t, error, status)
+        self.leases.drop(lease, error or StaleError(f"{t.kind} of {t.req!r} ended"))
+        self.leases.when_unread(lease, lambda: self._ended(t, error, status))
+
+    def _ended(self, t: Transfer, error: KVXferError | None, status: Status | None) -> None:
         if t._finish(error, status) and error is not None:
             log.debug("kvxfer %s %s failed: %s", t.kind, t.req, error)
         hold = t.hold
-        if hold is not None:  # one read of a hold several consumers read: it ends with its last read
-            with self._lock:
-                last = len(hold.reads) == hold.readers and all(r.done() for r in hold.reads)
-            if last:
-                self._end(hold, next((r.error for r in hold.reads if r.error is not None), None))
+        if hold is None:  # one read of a hold several consumers read: it ends with its last read
+            return
+        with self._lock:
+            unread = all(r.done() for r in hold.reads)
+            last = unread and len(hold.reads) == hold.readers
+            ending = hold._ending
+        if last or (unread and ending is not None):
+            error, status = ending or (next((r.error for r in hold.reads if r.error is not None), None), None)
+            self._end(hold, error, status)
 
     def _cancelled(self, t: Transfer, reason: str) -> None:
         with self._lock:
@@ -761,7 +779,9 @@ class Producer(HandleBase):
         return self.leases.check_read(session, req, gen, ids, time.monotonic())
 
     def end_read(self, ticket: Lease, nbytes: int, error: BaseException | None) -> None:
-        """Reads need no accounting here: the consumer's ``Released`` ends the lease."""
+        """A read stopped: a pull or hold that ended meanwhile ends for its owner now (the consumer's
+        ``Released`` or the lease's end decides how)."""
+        self.leases.end_read(ticket)
 
     def close(self) -> None:
         with self._lock:  # from here no push, offer or hold starts, and no new session registers

@@ -75,6 +75,8 @@ class Transfer:
         self.readers = 0  # a hold: how many consumers fetch it (their Fetch says; 0 until the first came)
         self.reads: list[Transfer] = []  # a hold fetched by several readers: one transfer per fetch
         self.hold: Transfer | None = None  # one of those reads: the hold it reads
+        self._lease: Any = None  # a pull or one read of a hold: its lease (kvxfer.ledger.Lease)
+        self._ending: tuple[KVXferError | None, Status | None] | None = None  # a hold's end, waiting for its reads
 
     def __repr__(self) -> str:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"

@@ -121,6 +121,27 @@ def test_leases():
     assert not ls.active
 
 
+def test_a_lease_frees_its_blocks_only_after_its_last_read_stopped():
+    ls = Leases()
+    item = ls.offer(1, "r", np.array([3, 4]), lease=5, now=0)
+    ls.check_read(1, "r", item.gen, np.array([3, 4]), now=1)
+    ls.check_read(1, "r", item.gen, np.array([3, 4]), now=1)  # two streams read it
+    freed = []
+    ls.drop(item, StaleError("expired"))
+    assert item.error is not None  # what stops the reads being served
+    with pytest.raises(StaleError):  # and no read starts
+        ls.check_read(1, "r", item.gen, np.array([3, 4]), now=1)
+    ls.when_unread(item, lambda: freed.append("r"))
+    ls.end_read(item)
+    assert freed == []  # one stream still sends from the blocks
+    ls.end_read(item)
+    assert freed == ["r"]
+    done = ls.offer(1, "d", np.array([1]), lease=5, now=0)
+    ls.release("d", done.gen, now=1)
+    ls.when_unread(done, lambda: freed.append("d"))  # nothing reads: at once
+    assert freed == ["r", "d"]
+
+
 def test_free_list():
     fl = FreeList(8, reserved=[0])
     a = fl.allocate(3)

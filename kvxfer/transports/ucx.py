@@ -447,6 +447,8 @@ class UcxLink(Link[UcxTransport]):
 
         def check() -> None:
             self._live()
+            if ticket.error is not None:  # the lease ended (released, expired, cancelled): no more bytes of it
+                raise ticket.error
             if time.monotonic() >= until:
                 raise DeadlineError("the consumer stopped reading")
 

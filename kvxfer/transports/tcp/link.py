@@ -103,7 +103,8 @@ class TcpLink(Link["TcpTransport"]):
             raise PeerError("link closed")
 
     def _ticket_live(self, ticket) -> None:
-        """A receive goes on while its grant holds (a failed request stops it) and the link is open."""
+        """A receive goes on while its grant holds (a failed request stops it), a served read while its lease
+        does (released, expired or cancelled, it stops), and either only while the link is open."""
         if ticket.error is not None:
             raise ticket.error
         self._stopped_if_closed()
@@ -237,7 +238,7 @@ class TcpLink(Link["TcpTransport"]):
                 try:
                     ch.send(wire.DataReply(req=msg.req, ok=True, length=msg.length))
                     move = functools.partial(self.t.mover.send, sock, window)
-                    self.t.watchdog.guarded(sock, self._stopped_if_closed, move)
+                    self.t.watchdog.guarded(sock, functools.partial(self._ticket_live, ticket), move)
                 except KVXferError as e:
                     host.end_read(ticket, 0, e)
                     raise

@@ -1,0 +1,77 @@
+"""A hostile fetching consumer against a listening TCP producer, spoken by hand: it asks for a whole hold with
+one ``ReadData`` and then reads slowly, past the lease. Once the hold ended for its owner (who reuses the
+blocks at once), not one byte of the blocks' new contents may reach it."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from conformance.rawpeer import RawPeer
+from kvxfer import KVLayout, LeaseExpiredError, Producer, handshake, transports, wire
+from kvxfer.channel import Channel
+
+OLD, NEW = 0x11, 0x77
+
+
+def _fetching_reader(producer: Producer, layout: KVLayout, n: int) -> tuple:
+    """The consumer's side of a fetch, by hand, with a data listener whose connection reads slowly."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    peer = RawPeer(producer.address, timeout=10)
+    hello = handshake.check_hello(peer.recv())
+    challenge, nonce = handshake.challenge(hello, "hostile", "")
+    peer.send(challenge)
+    *_, key = handshake.check_proof(peer.recv(), "", hello.nonce, nonce, layout, ["tcp"])
+    mine = transports.get("tcp")(layout, host=None)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    peer.send(handshake.welcome(7, layout, "tcp", mine.local_meta(), key, address))
+    data, _ = listener.accept()
+    listener.close()
+    ch = Channel(data)
+    assert ch.recv(5).purpose == "pull"
+    peer.send(wire.Fetch(req="A", num_blocks=n))
+    offer = peer.recv()
+    assert isinstance(offer, wire.Offer)
+    return peer, data, offer, ch
+
+
+@pytest.mark.timeout(60)
+def test_a_read_past_the_lease_never_sends_the_blocks_new_contents():
+    blocks = 64
+    caches = [np.zeros((blocks, 2, 128, 2, 64), np.float16) for _ in range(2)]
+    for c in caches:
+        c.view(np.uint8)[:] = OLD
+    layout = KVLayout.from_tensors(caches, dims="BKNHD")
+    producer = Producer(layout, transport="tcp", listen="127.0.0.1:0", transport_options={"streams": 1})
+    try:
+        held = producer.hold("A", list(range(blocks)), lease=1.0)
+        peer, data, offer, ch = _fetching_reader(producer, layout, blocks)
+        total = blocks * layout.block_bytes
+        ch.send(wire.ReadData(req="A", gen=offer.gen, ids=offer.ids, offset=0, length=total))
+        reply = ch.recv(5)
+        assert reply.ok, reply.message
+        got = bytearray(data.recv(1 << 20))
+        with pytest.raises(LeaseExpiredError):
+            held.wait(10)
+        for c in caches:  # the owner reuses the blocks the moment the hold ended
+            c.view(np.uint8)[:] = NEW
+        data.settimeout(5)
+        end = time.monotonic() + 10
+        while len(got) < total and time.monotonic() < end:
+            piece = data.recv(1 << 20)
+            if not piece:
+                break
+            got += piece
+        seen = np.frombuffer(bytes(got), np.uint8)
+        assert len(got) < total  # the read was cut off at the lease's end
+        assert not (seen == NEW).any()
+        assert (seen == OLD).all()
+        peer.close()
+    finally:
+        producer.close()
