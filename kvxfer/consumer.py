@@ -11,7 +11,6 @@ import functools
 import ipaddress
 import itertools
 import logging
-import queue
 import socket
 import ssl
 import threading
@@ -43,10 +42,10 @@ from .errors import (
 from .fetch import Fetch, Fetches
 from .layout import KVLayout
 from .ledger import Grants, Part, Slot
-from .lifecycle import REAP_INTERVAL, HandleBase, given_seconds, ms, wait_limit
+from .lifecycle import REAP_INTERVAL, HandleBase, Mailbox, given_seconds, ms
 from .plan import check_ids
 from .shard import Selection, coverage
-from .sockets import close
+from .sockets import accept, close
 from .sockets import listen as listen_on
 from .transfer import Arrival
 from .transports.base import Peer, Transport
@@ -165,7 +164,7 @@ class Consumer(HandleBase):
         self._inline = inline.Inline(layout) if inline.Inline.usable(layout) else None
         self.queue_arrivals = queue_arrivals  # False: arrivals go to ``on_arrival`` only, never queue up
         self.on_arrival = on_arrival
-        self.arrivals: queue.Queue[Arrival] = queue.Queue()
+        self.arrivals = Mailbox("arrival")
         self.counters = {"admitted": 0, "rejected": 0, "completed": 0, "failed": 0, "bytes": 0}
         self._sessions: dict[int, _ConsumerSession] = {}
         self._sids = itertools.count(1)
@@ -179,11 +178,9 @@ class Consumer(HandleBase):
 
     # ---- public -----------------------------------------------------------------------------------------
     def get(self, timeout: float | None = None) -> Arrival:
-        """The next arrived request; ``DeadlineError`` if none arrives within ``timeout``."""
-        try:
-            return self.arrivals.get(timeout=wait_limit(timeout))
-        except queue.Empty:
-            raise DeadlineError(f"no arrival within {timeout}s") from None
+        """The next arrived request; ``DeadlineError`` if none arrives within ``timeout``, ``ClosedError`` once
+        the consumer closed and every arrival before was taken."""
+        return self.arrivals.get(timeout)
 
     def release(self, req: str) -> bool:
         """Give an arrived request's blocks back to the allocator (the runtime is done with them)."""
@@ -262,12 +259,8 @@ class Consumer(HandleBase):
 
     # ---- connections ------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            host = addr[0]
+        while (taken := accept(self._listener, lambda: self.closed)) is not None:
+            sock, host = taken
             with self._lock:
                 crowded = self._per_host.get(host, 0) >= self.max_sessions_per_host
                 if not crowded and self._allowed(host):
@@ -278,7 +271,8 @@ class Consumer(HandleBase):
             if not admitted:
                 sock.close()
                 continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with contextlib.suppress(OSError):  # reset before we got to it: its thread finds out
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve_from, args=(sock, host), daemon=True, name="kvxfer-session").start()
 
     def _allowed(self, host: str) -> bool:
@@ -820,6 +814,7 @@ class Consumer(HandleBase):
         self.fetches.finish_freed()
         with self._lock:  # a hand-off under way when the close began: its arrival is queued before we return
             self._delivered.wait_for(lambda: not self._delivering - {threading.get_ident()}, HAND_OFF_WAIT)
+        self.arrivals.close()
 
 
 def _overdue(slot: Slot) -> DeadlineError:

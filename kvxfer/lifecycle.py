@@ -7,6 +7,7 @@ import logging
 import math
 import numbers
 import os
+import queue
 import socket
 import threading
 import time
@@ -24,22 +25,64 @@ log = logging.getLogger("kvxfer")
 REAP_INTERVAL = 0.02
 
 
+LONGEST = 30 * 86400.0  # the longest deadline or lease a handle keeps: longer ones are taken as this long
+FOREVER = 1e9  # a wait at least this long waits until the thing happens (the OS refuses longer timeouts)
+
+
 def given_seconds(value, what: str) -> float:
     """A deadline, lease or timeout a caller gave: a finite number of seconds above zero, else ``ConfigError``
-    (NaN and infinity would pass every comparison, or none, and end no wait)."""
+    (NaN and infinity would pass every comparison, or none, and end no wait); at most ``LONGEST`` (a larger
+    one would overflow the OS's timeouts and the wire's milliseconds)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
         raise ConfigError(f"{what} must be a finite number of seconds above zero, got {value!r}")
-    return float(value)
+    return min(float(value), LONGEST)
 
 
 def wait_limit(timeout) -> float | None:
-    """A wait's ``timeout``: ``None`` waits until the thing happens, zero or less only looks (as a deadline
-    already reached would); anything but a number is a ``ConfigError``."""
+    """A wait's ``timeout``: ``None`` (or infinity, or ``FOREVER`` and more) waits until the thing happens, zero
+    or less only looks (as a deadline already reached would); anything but a number is a ``ConfigError``."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or math.isnan(timeout):
         raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    return max(0.0, float(timeout))
+    seconds = float(timeout)
+    return None if seconds >= FOREVER else max(0.0, seconds)
+
+
+class Mailbox:
+    """What a handle hands to its user one at a time (arrivals, hand-offs): a queue whose ``get`` ends in
+    time and, once the handle closed and nothing is left, raises ``ClosedError`` at once in every waiter."""
+
+    _CLOSED = object()
+
+    def __init__(self, what: str):
+        self.what = what
+        self.closed = False
+        self._q: queue.Queue = queue.Queue()
+
+    def put(self, item) -> None:
+        self._q.put(item)
+
+    def get(self, timeout=None):
+        try:
+            item = self._q.get(timeout=wait_limit(timeout))
+        except queue.Empty:
+            raise DeadlineError(f"no {self.what} within {timeout}s") from None
+        if item is Mailbox._CLOSED:
+            self._q.put(item)  # for the next waiter
+            raise ClosedError(f"closed: no {self.what} will come")
+        return item
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._q.put(Mailbox._CLOSED)
+
+    def empty(self) -> bool:
+        return self.qsize() == 0
+
+    def qsize(self) -> int:
+        return max(0, self._q.qsize() - self.closed)  # the closing mark is no item
 
 
 def deadline_in(seconds: float) -> float:
@@ -95,6 +138,10 @@ class HandleBase:
     ):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a whole number of threads, 1 or more, got {workers!r}")
+        if not isinstance(auth, str):
+            raise ConfigError(f'auth must be a token string ("" for none), got {type(auth).__name__}')
+        if not isinstance(transport, str):
+            raise ConfigError(f'transport must be a name ("tcp", "nixl", "auto", ...), got {transport!r}')
         self.layout = layout
         self.auth = auth
         self.peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -31,6 +31,7 @@ from .errors import (
     PeerError,
     ProtocolError,
     StaleError,
+    TransportError,
     from_code,
 )
 from .layout import KVLayout
@@ -38,6 +39,7 @@ from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, gate, given_seconds, ms
 from .plan import check_ids
 from .shard import Selection, held, held_layers, sharded, staged
+from .sockets import accept, shutdown
 from .sockets import close as close_socket
 from .sockets import listen as listen_on
 from .transfer import Status, Transfer, _attempts
@@ -152,6 +154,7 @@ class Producer(HandleBase):
         self._fetchers: set[_ProducerSession] = set()  # sessions consumers opened to fetch
         self._holds: dict[str, Transfer] = {}
         self._launching: set[Transfer] = set()  # waiting for a worker or a session: the reaper ends them in time
+        self._dialing: set[Channel] = set()  # connections of handshakes under way (close() shuts them down)
         self.address: str | None = None
         if where is not None and self._listener is not None:
             self.address = f"{where[0]}:{self._listener.getsockname()[1]}"
@@ -167,6 +170,7 @@ class Producer(HandleBase):
             lock = self._connecting.setdefault(address, threading.Lock())
         with gate(lock, deadline, f"no session to {address}"):
             with self._lock:
+                self._check_open()  # queued behind a handshake the close cut short: no new one
                 s = self._sessions.get(address)
                 if s is not None and s.alive:
                     return s
@@ -182,9 +186,24 @@ class Producer(HandleBase):
             return s
 
     def _handshake(self, address: str, timeout: float) -> _ProducerSession:
+        """Dial ``address`` and shake hands; ``close()`` shuts the connection down under a handshake still
+        waiting for its peer, so that no worker outlives the close by a handshake timeout."""
         parse_address(address)
         ch = Channel(connect(address, timeout, self.tls), self.max_frame, spin=self.spin)
-        return self._shake(ch, address, timeout)
+        with self._lock:
+            if self.closed:
+                ch.close()
+                raise ClosedError("producer closed")
+            self._dialing.add(ch)
+        try:
+            return self._shake(ch, address, timeout)
+        except KVXferError:
+            if self.closed:
+                raise ClosedError("producer closed") from None
+            raise
+        finally:
+            with self._lock:
+                self._dialing.discard(ch)
 
     def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
         """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
@@ -241,13 +260,11 @@ class Producer(HandleBase):
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
-        while not self.closed:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._accepted, args=(sock, addr[0]), daemon=True, name="kvxfer-fetcher").start()
+        while (taken := accept(self._listener, lambda: self.closed)) is not None:
+            sock, host = taken
+            with contextlib.suppress(OSError):  # reset before we got to it: its thread finds out
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._accepted, args=(sock, host), daemon=True, name="kvxfer-fetcher").start()
 
     def _accepted(self, sock: socket.socket, host: str) -> None:
         """A consumer connected to fetch: the same handshake, this side speaking first, then its session."""
@@ -321,6 +338,9 @@ class Producer(HandleBase):
                 send(self._enroll(t), t)
             except KVXferError as e:
                 ended(e)
+            except Exception as e:  # a bug or an input no check foresaw: the transfer still ends, and says why
+                log.exception("kvxfer %s of %r", t.kind, t.req)
+                ended(TransportError(f"{t.kind} of {t.req!r} failed: {e!r}"))
 
         with self._lock:
             s = self._sessions.get(t.address)
@@ -789,8 +809,14 @@ class Producer(HandleBase):
                 return
             self.closed = True
             sessions = list(self._sessions.values())
+            launching, self._launching = list(self._launching), set()
+            dialing = list(self._dialing)
         if self._listener is not None:
             close_socket(self._listener)
+        for ch in dialing:
+            shutdown(ch.sock)
+        for t in launching:  # waiting for a worker or a session that will not come now
+            self._end(t, ClosedError("producer closed"))
         with self._lock:
             sessions += list(self._fetchers)
             holds = list(self._holds.values())

@@ -9,6 +9,8 @@ is a ``DeadlineError``, a reset, refused or closed connection a ``PeerError``, a
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import socket
 import ssl
 import time
@@ -21,6 +23,7 @@ from . import _kvx
 from .errors import AuthError, ConfigError, DeadlineError, KVXferError, PeerError, TransportError
 
 IOV_MAX = 1024
+log = logging.getLogger("kvxfer")
 
 
 def translate(e: OSError, what: str) -> KVXferError:
@@ -63,6 +66,28 @@ def listen(where: tuple[str, int]) -> socket.socket:
         return socket.create_server(where, backlog=128)
     except OSError as e:
         raise ConfigError(f"cannot listen on {where[0]}:{where[1]}: {e.strerror or e}") from None
+
+
+# accept() failures that say nothing about the listener: out of descriptors or memory (for now), a connection
+# reset before it was taken
+_PASSING = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+ACCEPT_BACKOFF = 0.1  # seconds an accept loop waits after running out of descriptors, before it tries again
+
+
+def accept(listener: socket.socket, closed) -> tuple[socket.socket, str] | None:
+    """The next connection on ``listener`` and its peer's host; None once ``closed()`` or the listener is gone.
+    A peer that used up this process's descriptors (many connections at once) stalls the loop for a moment;
+    it never ends it, which would leave the handle deaf for good."""
+    while not closed():
+        try:
+            sock, addr = listener.accept()
+            return sock, addr[0]
+        except OSError as e:
+            if e.errno not in _PASSING:
+                return None
+            log.warning("kvxfer: accept on %s failed (%s); trying again", listener.getsockname(), e.strerror or e)
+            time.sleep(ACCEPT_BACKOFF)
+    return None
 
 
 def parse_address(address: str) -> tuple[str, int]:

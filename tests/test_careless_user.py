@@ -166,3 +166,86 @@ def test_listening_where_this_host_cannot_is_a_config_error_and_opens_nothing():
             with pytest.raises(ConfigError, match="cannot listen"):
                 make()
         assert _back_to(before), (_open_fds(), before)
+
+
+def test_close_wakes_a_blocked_get_and_later_gets_say_closed():
+    from kvxfer import ClosedError
+
+    consumer = Consumer(_layout(), transport="tcp")
+    ended = []
+
+    def runtime():
+        try:
+            consumer.get()  # a decode loop's `while True: get()`
+        except ClosedError:
+            ended.append(time.monotonic())
+
+    t = threading.Thread(target=runtime)
+    t.start()
+    time.sleep(0.1)
+    closed = time.monotonic()
+    consumer.close()
+    t.join(5)
+    assert ended and ended[0] - closed < 1
+    start = time.monotonic()
+    with pytest.raises(ClosedError):
+        consumer.get(timeout=5)
+    assert time.monotonic() - start < 1
+
+
+def test_the_service_queue_ends_at_close_and_takes_an_infinite_timeout():
+    from kvxfer import ClosedError
+    from kvxfer.runtime.service import ReceiveService
+
+    service = ReceiveService(_layout(), transport="tcp", metrics=False)
+    threading.Timer(0.2, service.close).start()
+    with pytest.raises(ClosedError):
+        service.next(timeout=float("inf"))
+    with pytest.raises(ConfigError):
+        service.next(timeout=float("nan"))
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10, 1e300])
+def test_a_huge_timeout_waits_until_the_thing_happens(timeout):
+    from kvxfer import ClosedError
+
+    consumer = Consumer(_layout(), transport="tcp")
+    threading.Timer(0.2, consumer.close).start()
+    with pytest.raises(ClosedError):
+        consumer.get(timeout=timeout)
+
+
+@pytest.mark.parametrize("seconds", [1e10, 1e18])
+def test_a_huge_deadline_or_lease_is_taken_as_the_longest_one(seconds):
+    with Consumer(_layout(), transport="tcp") as c, Producer(_layout(), transport="tcp") as p:
+        for i in range(2):  # the first dials the session, the second finds it up
+            p.push(c.address, f"push-{i}", [1], deadline=seconds).wait(10)
+            c.release(c.get(5).req)
+            p.offer(c.address, f"pull-{i}", [2], lease=seconds).wait(10)
+            c.release(c.get(5).req)
+
+
+def test_closing_a_producer_ends_pushes_queued_behind_a_silent_handshake_at_once():
+    from kvxfer import ClosedError
+
+    server = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in range(100)], daemon=True).start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    p = Producer(_layout(), transport="tcp")
+    transfers = [p.push(address, f"q{i}", [1], deadline=30) for i in range(12)]
+    time.sleep(0.3)
+    p.close()
+    for t in transfers:
+        with pytest.raises(ClosedError):
+            t.wait(2)
+    time.sleep(0.3)
+    assert len(held) == 1  # no handshake began after the close
+    server.close()
+
+
+def test_auth_and_transport_of_the_wrong_type_are_config_errors():
+    with pytest.raises(ConfigError, match="auth"):
+        Producer(_layout(), transport="tcp", auth=123)
+    with pytest.raises(ConfigError, match="transport"):
+        Consumer(_layout(), transport=["tcp"])

@@ -9,7 +9,6 @@ nothing that would duplicate it.
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from ..consumer import Consumer
-from ..errors import DeadlineError
 from ..layout import KVLayout
+from ..lifecycle import Mailbox
 from ..transfer import Arrival
 from .allocator import PagedPool, TokenAllocator, TokenBlocks
 
@@ -98,7 +97,7 @@ class ReceiveService:
         self.max_pending = max_pending
         self.blocks.gate = self._gate
         self.on_ready = on_ready
-        self._ready: queue.Queue[Handoff] = queue.Queue()
+        self._ready = Mailbox("request ready")
         self.metrics = None
         self.consumer = Consumer(
             layout,
@@ -125,11 +124,9 @@ class ReceiveService:
 
     # ---- the runtime's calls ------------------------------------------------------------------------------
     def next(self, timeout: float | None = None) -> Handoff:
-        """The next ready request (queue mode); ``DeadlineError`` if none within ``timeout``."""
-        try:
-            return self._ready.get(timeout=timeout)
-        except queue.Empty:
-            raise DeadlineError(f"no request ready within {timeout}s") from None
+        """The next ready request (queue mode); ``DeadlineError`` if none within ``timeout``, ``ClosedError``
+        once the service closed and every request before was taken."""
+        return self._ready.get(timeout)
 
     def release(self, req: str) -> bool:
         """The runtime is done with ``req``: its blocks go back to the allocator. False if not held."""
@@ -152,6 +149,7 @@ class ReceiveService:
 
     def close(self) -> None:
         self.consumer.close()
+        self._ready.close()
 
     def __enter__(self) -> ReceiveService:
         return self

@@ -17,12 +17,14 @@ blocking sockets.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
 
 from ... import wire
 from ...channel import Channel
+from ...errors import KVXferError
 from ...memory import HOST
 from .. import parallel
 from ..base import Peer, Transport
@@ -85,7 +87,8 @@ class TcpTransport(Transport):
             return
         ch = Channel(sock)
         if hello.purpose == "pull":
-            link.conns.give_back(link.conns.pulls, link.conns.track(ch))  # tracked: a closing link stops its read
+            with contextlib.suppress(KVXferError):  # refused: closed
+                link.conns.give_back(link.conns.pulls, link.conns.track(ch))  # tracked: a closing link stops its read
         else:
             link.spawn(link.serve_writes, ch)
 

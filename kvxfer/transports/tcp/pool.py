@@ -13,10 +13,11 @@ import threading
 from collections.abc import Callable
 
 from ...channel import Channel
-from ...errors import PeerError
+from ...errors import PeerError, ProtocolError
 from ...sockets import shutdown
 
 POLL = 0.25  # how often a wait for a free connection looks at cancel / deadline
+MAX_OPEN = 256  # data connections one link keeps open at most: a peer opening more is refused the rest
 
 
 class Connections:
@@ -35,11 +36,14 @@ class Connections:
 
     def track(self, ch: Channel) -> Channel:
         with self._lock:
-            if self.closed:
-                ch.close()
-                raise PeerError("link closed")
-            self._open.add(ch)
-        return ch
+            full = len(self._open) >= MAX_OPEN
+            if not (self.closed or full):
+                self._open.add(ch)
+                return ch
+        ch.close()
+        if full:  # each costs a descriptor and a thread: a peer must not use up the process's
+            raise ProtocolError(f"more than {MAX_OPEN} data connections on one session")
+        raise PeerError("link closed")
 
     def drop(self, ch: Channel) -> None:
         """The holder lets go of a connection that failed or ended: closed."""
