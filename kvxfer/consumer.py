@@ -409,7 +409,7 @@ class Consumer(HandleBase):
             return self.fetches.refused(f, msg)
         if isinstance(msg, wire.Done):
             try:
-                slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, msg.meta, msg.digests)
+                slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, wire.meta_of(msg.meta), msg.digests)
             except KVXferError as e:
                 self._refuse(s, msg.req, msg.gen, e)
                 return
@@ -447,10 +447,13 @@ class Consumer(HandleBase):
     def _admit(self, s: _ConsumerSession, msg: wire.Admit, now: float) -> None:
         deadline = now + min(self.deadline, max(msg.deadline_ms, 1) / 1000)
         try:
+            if s.fetch_address:  # opened to fetch: the producer there is no peer allowed_producers admitted
+                raise ProtocolError(f"request {msg.req!r}: a session this consumer opened to fetch takes no pushes")
             if msg.data and (msg.senders != 1 or msg.layers is not None or msg.heads is not None):
                 raise BlockError(f"request {msg.req!r}: only a whole single-sender push carries its bytes inline")
             if msg.data and self._inline is None:
                 raise BlockError(f"request {msg.req!r}: this consumer's device memory takes no inline bytes")
+            meta = wire.meta_of(msg.meta)
             part, ranges = self._part(s, msg)
             n, chunks, per_block = self._paged(s, part, msg.req, msg.num_blocks, msg.tokens)
             slot, superseded = self.grants.admit(
@@ -463,7 +466,7 @@ class Consumer(HandleBase):
                 part=msg.part,
                 selection=part,
                 ranges=ranges,
-                meta=msg.meta,
+                meta=meta,
                 one_sided=s.transport.one_sided,
                 chunks=chunks,
                 per_block=per_block,
@@ -482,7 +485,7 @@ class Consumer(HandleBase):
             )  # on the same session the answer would name the new transfer
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
         if msg.data:
-            return self._land_inline(s, slot, msg)
+            return self._land_inline(s, slot, msg, meta)
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
@@ -495,7 +498,7 @@ class Consumer(HandleBase):
         self._inline.unpack(s.link.paging(), slot.ids, slot.chunks, data)
         return len(data)
 
-    def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit) -> None:
+    def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit, meta: dict) -> None:
         """A small push's bytes came with its Admit: land them in the granted blocks (the slot is receiving
         meanwhile, so a failure frees them only after), then Grant and, once handed off, Ack."""
         error: KVXferError | None = None
@@ -513,7 +516,7 @@ class Consumer(HandleBase):
             return self._refuse(s, msg.req, slot.gen, error, msg.attempt)
         grant = wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt)
         try:
-            ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, msg.meta, b"")
+            ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, meta, b"")
         except KVXferError as e:
             s.send(grant)
             return self._refuse(s, msg.req, slot.gen, e)
@@ -656,6 +659,7 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
+            meta = wire.meta_of(msg.meta)
             n, chunks, per_block = self._paged(s, None, msg.req, len(src), msg.tokens)
             if fetch is None:
                 if s.fetch_address:  # a session this consumer opened answers its fetches only: this one ended
@@ -670,7 +674,7 @@ class Consumer(HandleBase):
                     deadline,
                     now,
                     msg.gen,
-                    dict(msg.meta),
+                    meta,
                     msg.digests,
                     one_sided=s.transport.one_sided,
                     ranges=s.covered,
@@ -692,7 +696,7 @@ class Consumer(HandleBase):
                         min(fetch.deadline, lease_end),
                         now,
                         msg.gen,
-                        dict(msg.meta),
+                        meta,
                         msg.digests,
                         one_sided=s.transport.one_sided,
                         ranges=covered,

@@ -29,7 +29,7 @@ from .errors import (
     from_code,
 )
 from .lifecycle import deadline_in, gate, given_seconds
-from .plan import check_ids
+from .plan import check_ids, check_tokens
 from .transfer import Status, Transfer
 
 if TYPE_CHECKING:
@@ -96,13 +96,12 @@ class Fetches:
         if skip and from_token is not None:
             raise BlockError("give skip (the producer's blocks) or from_token, not both")
         bs = c.layout.fingerprint.block_size
-        if tokens is not None and not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
-            raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
+        n_tokens = check_tokens(tokens, len(ids), bs)
         if not 1 <= int(readers) <= wire.MAX_READERS:
             raise BlockError(f"readers must be within [1, {wire.MAX_READERS}], got {readers}")
         seconds = c.deadline if deadline is None else given_seconds(deadline, "deadline")
         f = Fetch(wire.check_req(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
-        f.tokens = len(ids) * bs if tokens is None else int(tokens)
+        f.tokens = len(ids) * bs if n_tokens is None else n_tokens
         f.from_token = None if from_token is None else int(from_token)
         f.readers, f.partial = int(readers), bool(partial)
         f._on_cancel = self._cancelled

@@ -63,6 +63,8 @@ def _c_strides(shape, itemsize):
 
 def _from_interface(obj, iface: dict, device: int) -> TensorView:
     dt = np.dtype(iface["typestr"])
+    if dt.hasobject:  # pointers to Python objects: copied, they would be references nobody counts
+        raise LayoutError(f"{dt} holds Python objects, not KV bytes")
     shape = tuple(int(n) for n in iface["shape"])
     strides = iface.get("strides")
     strides = _c_strides(shape, dt.itemsize) if strides is None else tuple(int(s) for s in strides)

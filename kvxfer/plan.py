@@ -9,6 +9,8 @@ loop: a million blocks plan in a few milliseconds.
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,20 @@ def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
     a = _int_ids(ids, num_blocks, what)
     _verdict(_kvx.check_ids(a, max(int(num_blocks), 0)), a, num_blocks, what)  # one pass over a bitmap, native
     return a
+
+
+def check_tokens(tokens, blocks: int, block_size: int) -> int | None:
+    """A caller's ``tokens`` for ``blocks`` blocks: None (every block full) or a whole number the blocks hold
+    with the last one partly filled at most, else ``BlockError``."""
+    if tokens is None:
+        return None
+    real = isinstance(tokens, numbers.Real) and not isinstance(tokens, bool)
+    if not (real and math.isfinite(tokens) and float(tokens).is_integer()):
+        raise BlockError(f"tokens must be a whole number, got {tokens!r}")
+    n = int(tokens)
+    if not (blocks - 1) * block_size < n <= blocks * block_size:
+        raise BlockError(f"{n} tokens do not fill {blocks} blocks of {block_size} tokens")
+    return n
 
 
 PARALLEL_MIN = 65536  # ids per side from which a plan's two sides are worked on at once

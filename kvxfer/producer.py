@@ -37,7 +37,7 @@ from .errors import (
 from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, gate, given_seconds, ms
-from .plan import check_ids
+from .plan import check_ids, check_tokens
 from .shard import Selection, held, held_layers, sharded, staged
 from .sockets import accept, shutdown
 from .sockets import close as close_socket
@@ -288,13 +288,10 @@ class Producer(HandleBase):
     ) -> Transfer:
         self._check_open()
         ids = check_ids(block_ids, self.layout.num_blocks, "source block ids")
-        if tokens is not None:
-            bs = self.layout.fingerprint.block_size
-            if not (len(ids) - 1) * bs < int(tokens) <= len(ids) * bs:
-                raise BlockError(f"{tokens} tokens do not fill {len(ids)} blocks of {bs} tokens")
+        n_tokens = check_tokens(tokens, len(ids), self.layout.fingerprint.block_size)
         seconds = self.deadline if deadline is None else given_seconds(deadline, "deadline")
         t = Transfer(wire.check_req(req), kind, address, ids, self.layout.block_bytes, deadline_in(seconds))
-        t.tokens = None if tokens is None else int(tokens)
+        t.tokens = n_tokens
         t._on_cancel = self._cancelled
         return t
 
@@ -424,7 +421,7 @@ class Producer(HandleBase):
                 num_blocks=len(t.src_ids),
                 attempt=t.attempt,
                 deadline_ms=ms(t.deadline - time.monotonic()),
-                meta=t.meta,
+                meta=wire.raw_meta(t.meta),
                 senders=t.senders,
                 part=t.part,
                 layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
@@ -483,7 +480,7 @@ class Producer(HandleBase):
                 gen=t.gen,
                 ids=wire.ids_to_bytes(t.src_ids),
                 lease_ms=ms(seconds),
-                meta=t.meta,
+                meta=wire.raw_meta(t.meta),
                 digests=self._digests(s, t.digests),
                 tokens=tokens,
                 data=self._packed(s, t, t.src_ids, tokens),
@@ -582,7 +579,7 @@ class Producer(HandleBase):
                 gen=r.gen,
                 ids=wire.ids_to_bytes(ids),
                 lease_ms=ms(seconds),
-                meta=r.meta,
+                meta=wire.raw_meta(r.meta),
                 digests=digests,
                 tokens=tokens,
                 data=self._packed(s, r, ids, tokens),
@@ -777,7 +774,11 @@ class Producer(HandleBase):
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
-        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=self._digests(s, t.digests)))
+        s.send(
+            wire.Done(
+                req=t.req, gen=t.gen, nbytes=moved, meta=wire.raw_meta(t.meta), digests=self._digests(s, t.digests)
+            )
+        )
 
     def _released(self, s: _ProducerSession, t: Transfer, msg: wire.Released) -> None:
         now = time.monotonic()

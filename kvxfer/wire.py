@@ -43,7 +43,8 @@ MAX_SEGMENTS = 1 << 16
 MAX_BLOCKS = 1 << 32  # block ids travel as uint32
 META_DEPTH = 4  # containers a meta value may nest, below the meta dict itself
 META_ITEMS = 1024  # entries of any one dict or list inside meta
-META_BYTES = 1 << 20  # the most a request's meta may take encoded (checked where a caller hands it in)
+META_BYTES = 1 << 20  # the most a request's meta may take encoded (checked where a caller hands it in, and on receipt)
+_NO_META = msgspec.Raw(b"\x80")  # an empty map, encoded
 MAX_REQ = 1 << 12  # characters of a request id a caller may choose
 _LEN = struct.Struct(">I")
 
@@ -180,7 +181,7 @@ class Admit(_Msg, tag="admit"):
     req: str
     num_blocks: U32
     deadline_ms: U63
-    meta: Meta = {}
+    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
     senders: U32 = 1
     part: U32 = 0
     layers: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)] | None = None
@@ -214,7 +215,7 @@ class Offer(_Msg, tag="offer"):
     gen: U63
     ids: bytes
     lease_ms: U63
-    meta: Meta = {}
+    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
     digests: bytes = b""
     tokens: Tokens | None = None  # as in ``Admit``: the offered blocks' tokens, when the two sides page differently
     data: Annotated[bytes, msgspec.Meta(max_length=INLINE_MAX)] = b""  # a small offer's bytes (read at the offer):
@@ -241,7 +242,7 @@ class Done(_Msg, tag="done"):
     req: str
     gen: U63
     nbytes: U63
-    meta: Meta = {}
+    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
     digests: bytes = b""
 
 
@@ -344,6 +345,27 @@ _meta_decoder = msgspec.msgpack.Decoder(Meta)  # built once: ``msgspec.convert(x
 _EMPTY_META_SIZE = len(_encoder.encode({}))
 
 
+def meta_of(raw) -> dict[str, Any]:
+    """A received message's ``meta``: its bytes are bounded by ``META_BYTES`` before they are decoded (a frame of
+    nested empty lists, each one byte, would decode to some 64 bytes of Python objects apiece), then checked as
+    ``Meta``; ``ProtocolError`` if not. A message built in this process holds its dict already."""
+    if isinstance(raw, dict):
+        return raw
+    if raw == _NO_META:
+        return {}
+    if len(raw) > META_BYTES:
+        raise ProtocolError(f"meta of {len(raw)} bytes, more than {META_BYTES}")
+    try:
+        return _meta_decoder.decode(raw)
+    except msgspec.MsgspecError as e:
+        raise ProtocolError(f"malformed meta: {e}") from None
+
+
+def raw_meta(meta: dict[str, Any]) -> msgspec.Raw:
+    """A checked ``meta`` (``check_meta``) as a message carries it."""
+    return msgspec.Raw(_encoder.encode(meta)) if meta else _NO_META
+
+
 def check_meta(meta) -> tuple[dict[str, Any], int]:
     """A caller's ``meta`` as the wire carries it, and its encoded size; ``ConfigError`` if the wire cannot
     (not JSON-like, keys not strings, nested or sized past the limits), before it reaches a peer: a consumer
@@ -354,7 +376,7 @@ def check_meta(meta) -> tuple[dict[str, Any], int]:
         encoded = _encoder.encode(meta)
         checked = _meta_decoder.decode(encoded)
         size = len(encoded)
-    except (msgspec.MsgspecError, TypeError, ValueError) as e:
+    except (msgspec.MsgspecError, TypeError, ValueError, OverflowError) as e:  # OverflowError: ints past 64 bits
         raise ConfigError(f"meta must be a JSON-like dict with string keys: {e}") from None
     if size > META_BYTES:
         raise ConfigError(f"meta takes {size} bytes encoded, more than {META_BYTES}")
@@ -368,6 +390,10 @@ def check_req(req) -> str:
     text = str(req)
     if not 0 < len(text) <= MAX_REQ:
         raise ConfigError(f"a request id must have 1 to {MAX_REQ} characters, got {len(text)}")
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate (os.fsdecode of undecodable bytes): the wire is UTF-8
+        raise ConfigError(f"a request id must be valid Unicode text, got {text!r}") from None
     return text
 
 

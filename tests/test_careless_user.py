@@ -249,3 +249,24 @@ def test_auth_and_transport_of_the_wrong_type_are_config_errors():
         Producer(_layout(), transport="tcp", auth=123)
     with pytest.raises(ConfigError, match="transport"):
         Consumer(_layout(), transport=["tcp"])
+
+
+def test_ids_meta_and_tokens_the_wire_cannot_carry_are_refused_at_the_call():
+    with Producer(_layout(), transport="tcp") as p:
+        with pytest.raises(ConfigError, match="Unicode"):
+            p.push("127.0.0.1:1", "req-\udcff", [1])  # what os.fsdecode makes of undecodable bytes
+        with pytest.raises(ConfigError, match="meta"):
+            p.push("127.0.0.1:1", "r", [1], meta={"h": 2**64})
+        for tokens in (float("nan"), 2.5, True, "4"):
+            with pytest.raises(BlockError, match="tokens"):
+                p.push("127.0.0.1:1", "r", [1], tokens=tokens)
+        p.push("127.0.0.1:1", "r", [1, 2], tokens=6.0).cancel()  # a whole number, whatever its type
+    with Consumer(_layout(), transport="tcp") as c, pytest.raises(BlockError, match="tokens"):
+        c.fetch("127.0.0.1:1", "r", [1], tokens=float("nan"))
+
+
+def test_a_cache_of_python_objects_is_a_layout_error():
+    from kvxfer import LayoutError
+
+    with pytest.raises(LayoutError, match="Python objects"):
+        KVLayout.from_tensors([np.zeros((8, 2, 4, 8), object)])

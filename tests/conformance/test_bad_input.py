@@ -160,3 +160,25 @@ def test_answers_name_the_attempt_and_a_cancel_before_the_grant_frees_it(consume
     raw.send(wire.Cancel(req="c", gen=0, reason="gave up"))
     wait_for(lambda: consumer.stats()["free_blocks"] == 64 - 4, 5)
     raw.close()
+
+
+def test_a_meta_past_its_bound_is_refused_before_it_is_decoded(consumers, producers, transport):
+    """Nested empty lists take one byte each on the wire and some 64 in memory once decoded: a meta is bounded
+    by its bytes (``wire.META_BYTES``) before it is decoded, and the request is refused, the session kept."""
+    import msgspec
+    import resource
+
+    consumer = consumers()
+    raw = RawPeer(consumer.address)
+    assert isinstance(raw.hello(consumer.layout, transport), wire.Welcome)
+    nested = msgspec.msgpack.encode({"x": [[[[[]] * 64] * 64] * 64] * 8})  # 2.1 MB of one-byte empty lists
+    assert len(nested) > wire.META_BYTES
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    raw.send(wire.Admit(req="fat", num_blocks=1, deadline_ms=10_000, meta=msgspec.Raw(nested)))
+    reply = raw.recv()
+    assert isinstance(reply, wire.Error) and reply.code == "protocol" and "meta" in reply.message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing was decoded
+    raw.send(wire.Admit(req="slim", num_blocks=1, deadline_ms=10_000, meta={"ok": [1, 2]}))
+    assert isinstance(raw.recv(), wire.Grant)  # the same session goes on
+    raw.close()
+    _alive(consumer, producers())

@@ -1,0 +1,55 @@
+"""A producer a consumer fetches from, spoken by hand: the session the consumer opened to fetch carries that
+fetch's offer and nothing else. A push on it would put requests into the consumer's allocator from a peer its
+``allowed_producers`` never admitted."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvxfer import Consumer, KVLayout, handshake, transports, wire
+from kvxfer.channel import Channel
+
+
+def _layout():
+    return KVLayout.from_tensors([np.zeros((16, 2, 16, 2, 64), np.float16) for _ in range(2)], dims="BKNHD")
+
+
+@pytest.mark.timeout(60)
+def test_the_producer_a_consumer_fetches_from_cannot_push_into_it():
+    layout = _layout()
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list = []
+
+    def hostile_producer():
+        sock, _ = server.accept()
+        ch = Channel(sock)
+        opening, nonce = handshake.hello("hostile")
+        ch.send(opening)
+        challenge = ch.recv(10)
+        mine = transports.get("tcp")(layout, host=None)
+        proof, _ = handshake.answer(challenge, "c", "", nonce, layout, [("tcp", mine.local_meta())])
+        ch.send(proof)
+        ch.recv(10)  # Welcome
+        fetch = ch.recv(10)
+        ch.send(wire.Admit(req="injected", num_blocks=2, deadline_ms=5000, data=b"\x42" * (2 * layout.block_bytes)))
+        seen.append(ch.recv(10))
+        ch.send(wire.Error(req=fetch.req, code="stale", message="no such hold"))
+        threading.Event().wait(1)
+        mine.close()
+
+    thread = threading.Thread(target=hostile_producer, daemon=True)
+    thread.start()
+    with Consumer(layout, transport="tcp", allowed_producers=["10.0.0.0/8"]) as c:
+        free = c.allocator.num_free
+        f = c.fetch(f"127.0.0.1:{server.getsockname()[1]}", "wanted", [5, 6], deadline=5)
+        with pytest.raises(Exception):  # noqa: B017 - the hold's own refusal, whichever it is
+            f.wait(10)
+        thread.join(10)
+        assert isinstance(seen[0], wire.Error) and seen[0].req == "injected"
+        assert c.stats()["handed"] == 0 and c.arrivals.empty()
+        assert c.allocator.num_free == free
+    server.close()
