@@ -154,6 +154,7 @@ class Consumer(HandleBase):
             retry_after=retry_after,
             quarantine=quarantine,
             max_inflight_per_peer=max_inflight_per_peer,
+            num_blocks=layout.num_blocks,
         )
         self._listener = listen_on((host, port))
         try:
@@ -771,8 +772,10 @@ class Consumer(HandleBase):
             self._deliver(ready, "pull")
 
     # ---- WriteHost: the transport asks before landing bytes, and reports what landed ---------------------
-    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
-        return self.grants.begin_write(session, req, gen, ids)
+    def begin_write(
+        self, session: int, req: str, gen: int, ids: np.ndarray, window: tuple[int, int] | None = None
+    ) -> Slot | Part:
+        return self.grants.begin_write(session, req, gen, ids, window)
 
     def end_write(self, ticket: Slot | Part, nbytes: int, error: BaseException | None) -> None:
         part = ticket if isinstance(ticket, Part) else None

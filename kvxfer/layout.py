@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import re
 from collections.abc import Mapping, Sequence
 
@@ -30,6 +31,8 @@ import numpy as np
 from . import wire
 from .errors import IncompatibleError, LayoutError
 from .memory import HOST, Region, TensorView, as_view, merge_regions
+
+log = logging.getLogger("kvxfer")
 
 MAX_SEGMENTS = wire.MAX_SEGMENTS
 MAX_BLOCKS = wire.MAX_BLOCKS
@@ -136,6 +139,66 @@ def _infer_dims(shape: tuple, block_dim: int, block_size: int, layers: int, pair
             f"cannot tell what the dims of shape {shape} mean ({why}): pass dims naming each dim, {_LEGEND}"
         )
     return found.pop()
+
+
+def _rows_meet(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of disjoint inclusive row ranges share a row."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] <= b[j][1] and b[j][0] <= a[i][1]:
+            return True
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
+_SHARED = "two layers (or K and V) share bytes of memory (a tensor given twice, [t] * n, or views that overlap)"
+
+
+def _shared_memory(regions: list[Region], seg_region, seg_offset, seg_stride, seg_bytes, nblocks: int) -> str:
+    """Why two blocks or two segments share bytes of memory ("" when none do): tensors given twice (``[t] * 2``)
+    or views that overlap land one layer's bytes over another's.
+
+    Segments of one stride in one region form a grid of ``stride``-byte rows (a block per row): segment ``i``
+    is the columns ``[offset % stride, + bytes)`` (wrapping into the next row) of rows ``offset // stride`` on,
+    one per block. Two overlap where their columns and their rows do. Segments of other strides in one region
+    must not even interleave."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (r, st) in enumerate(zip(seg_region, seg_stride, strict=True)):
+        groups.setdefault((r, st if nblocks > 1 else 0), []).append(i)
+    spans: dict[int, list[tuple[int, int, int]]] = {}
+    for (r, st), members in groups.items():
+        width = st or regions[r].nbytes + 1  # one block: a single row as wide as the region
+        cols: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for i in members:
+            off, n = seg_offset[i], seg_bytes[i]
+            q, c = divmod(off, width)
+            if c + n <= width:
+                cols.setdefault((c, c + n), []).append((q, q + nblocks - 1))
+            else:
+                cols.setdefault((c, width), []).append((q, q + nblocks - 1))
+                cols.setdefault((0, c + n - width), []).append((q + 1, q + nblocks))
+            spans.setdefault(r, []).append((off, off + (nblocks - 1) * st + n, st))
+        keys = sorted(cols)
+        for k in keys:
+            rows = cols[k] = sorted(cols[k])
+            if any(b[0] <= a[1] for a, b in itertools.pairwise(rows)):
+                return _SHARED
+        for x, a in enumerate(keys):
+            for b in keys[x + 1 :]:
+                if b[0] >= a[1]:
+                    break
+                if _rows_meet(cols[a], cols[b]):
+                    return _SHARED
+    for items in spans.values():
+        if len({st for *_, st in items}) > 1:  # strides differ: their spans may not even interleave
+            items.sort()
+            for (_, hi, sa), (lo, _, sb) in itertools.pairwise(items):
+                if lo < hi and sa != sb:
+                    return "tensors of different block strides interleave in one allocation"
+    return ""
 
 
 def _merge(tokens: list) -> list:
@@ -361,6 +424,9 @@ class KVLayout:
         assert nblocks is not None  # every layer entry holds a tensor
         if len(seg_bytes) > MAX_SEGMENTS:
             raise LayoutError(f"{len(seg_bytes)} segments exceed the limit of {MAX_SEGMENTS}")
+        if why := _shared_memory(regions, seg_region, seg_offset, seg_stride, seg_bytes, nblocks):
+            # not refused: a layout made only to compare fingerprints may alias; bytes moved through it would not
+            log.warning("kvxfer layout: %s; a transfer lands one layer's bytes over another's", why)
         total = int(sum(seg_bytes))
         if total % n_layers:
             raise LayoutError(f"{total} bytes per block do not split into {n_layers} layers")

@@ -9,8 +9,10 @@ so every rule is testable without a network. A slot's life is an explicit state 
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
+import logging
 import math
 import numbers
 import threading
@@ -31,8 +33,9 @@ from .errors import (
     ProtocolError,
     StaleError,
 )
-from .plan import byte_ranges, range_bytes
+from .plan import byte_ranges, check_ids, range_bytes
 
+log = logging.getLogger("kvxfer")
 _generations = itertools.count(1)
 
 # seconds a pull whose Released went out waits past its deadline for the producer's Ack or Error
@@ -72,6 +75,7 @@ class Part:
     slot: Slot
     landed: int = 0
     done: bool = False
+    windows: list[tuple[int, int]] = field(default_factory=list)  # stream bytes receives claimed, sorted
 
     @property
     def error(self) -> KVXferError | None:  # a write ticket: a failed request stops every part's receive
@@ -112,6 +116,7 @@ class Slot:
     external: bool = False  # the caller chose the blocks (a fetch): "freed" hands them back to it, not the allocator
     chunks: int | None = None  # blocks of another size map through token positions: the request's chunk count
     per_block: int = 1  # chunks per block of ours (a big block takes several of the producer's small ones)
+    windows: list[tuple[int, int]] = field(default_factory=list)  # stream bytes receives claimed, sorted
 
     @property
     def ready(self) -> bool:
@@ -168,6 +173,7 @@ class Grants:
         quarantine: float = 0.0,
         retry_after: float = 0.05,
         max_inflight_per_peer: int | None = None,
+        num_blocks: int | None = None,
     ):
         for name, value in (("tombstone_ttl", tombstone_ttl), ("quarantine", quarantine), ("retry_after", retry_after)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
@@ -177,6 +183,7 @@ class Grants:
                 raise ConfigError(f"{name} must be a whole number, 1 or more, got {count!r}")
         self.allocator = allocator
         self.block_bytes = block_bytes
+        self.num_blocks = num_blocks  # the cache's blocks: what an allocator's answer is checked against
         self.max_inflight = max_inflight
         self.max_inflight_per_peer = max_inflight_per_peer or max_inflight  # one session cannot take every grant
         self.tombstone_ttl = tombstone_ttl
@@ -193,6 +200,29 @@ class Grants:
         # (a session's coverage, the same array every admission): them, as checked, and the bytes they cover
 
     # ---- admission ---------------------------------------------------------------------------------------
+    def _allocate(self, req: str, n: int) -> np.ndarray:
+        """``n`` blocks from the runtime's allocator, checked: an allocator that fails or answers wrongly (other
+        than ``n`` ids, repeated, out of range) refuses this request with ``BlockError``; the session goes on,
+        and the wrong answer is not given back (its ids are the allocator's to mend)."""
+        try:
+            ids = self.allocator.allocate(n)
+        except Exception as e:
+            log.exception("kvxfer allocator")
+            raise BlockError(f"request {req!r}: the consumer's allocator failed: {e!r}") from None
+        if ids is None:
+            raise BusyError(f"no room for {n} blocks", self.retry_after)
+        try:
+            if self.num_blocks is None:  # a ledger of no cache in particular (tests): the count alone
+                a = np.asarray(ids, dtype=np.int64)
+            else:
+                a = check_ids(ids, self.num_blocks, "allocated block ids")
+            if len(a) != n:
+                raise BlockError(f"{len(a)} blocks allocated for {n} asked")
+        except BlockError as e:
+            log.error("kvxfer allocator %r answered wrongly: %s", self.allocator, e)
+            raise BlockError(f"request {req!r}: the consumer's allocator answered wrongly: {e}") from None
+        return a
+
     @_locked
     def close(self) -> None:
         """Admit nothing from now on. A closing consumer sweeps its active slots once; a message its session
@@ -271,9 +301,7 @@ class Grants:
             if len(ids) != n:
                 raise BlockError(f"request {req!r}: {n} blocks offered for {len(ids)} chosen")
         else:
-            ids = self.allocator.allocate(n)
-            if ids is None:
-                raise BusyError(f"no room for {n} blocks", self.retry_after)
+            ids = self._allocate(req, n)
         slot = Slot(
             req,
             next(_generations),
@@ -407,9 +435,21 @@ class Grants:
         return part or slot
 
     @_locked
-    def begin_write(self, peer: int, req: str, gen: int, ids: np.ndarray) -> Slot | Part:
-        """``check_write`` and ``begin_receive`` at once: the ticket of a receive that starts now."""
+    def begin_write(
+        self, peer: int, req: str, gen: int, ids: np.ndarray, window: tuple[int, int] | None = None
+    ) -> Slot | Part:
+        """``check_write`` and ``begin_receive`` at once: the ticket of a receive that starts now, of stream bytes
+        ``window`` (``[start, stop)``) when the receiver lands them itself. A byte is received once: a window
+        overlapping one received before is a ``ProtocolError`` (counted twice, it would make a request that left
+        bytes unwritten look complete)."""
         ticket = self.check_write(peer, req, gen, ids)
+        if window is not None:
+            lo, hi = window
+            claimed = ticket.windows
+            i = bisect.bisect_left(claimed, (lo, hi))
+            if (i and claimed[i - 1][1] > lo) or (i < len(claimed) and claimed[i][0] < hi):
+                raise ProtocolError(f"request {req!r}: bytes [{lo}, {hi}) of its stream were sent before")
+            claimed.insert(i, (lo, hi))
         self.begin_receive(ticket.slot if isinstance(ticket, Part) else ticket)
         return ticket
 

@@ -270,3 +270,30 @@ def test_a_cache_of_python_objects_is_a_layout_error():
 
     with pytest.raises(LayoutError, match="Python objects"):
         KVLayout.from_tensors([np.zeros((8, 2, 4, 8), object)])
+
+
+def test_a_runtime_allocator_that_answers_wrongly_refuses_that_request_and_keeps_the_session():
+    class Flaky:  # the decode runtime's allocator, with bugs: wrong answers first, then right ones
+        def __init__(self):
+            self.free_list = FreeList(8)
+            self.answers = iter([lambda n: [5] * n, lambda n: [99] * n, lambda n: [1], "raise"])
+
+        def allocate(self, n):
+            wrong = next(self.answers, None)
+            if wrong == "raise":
+                raise RuntimeError("out of sync")
+            return self.free_list.allocate(n) if wrong is None else np.array(wrong(n))
+
+        def free(self, ids):
+            self.free_list.free(ids)
+
+    from kvxfer import FreeList
+
+    with Consumer(_layout(), transport="tcp", allocator=Flaky()) as c, Producer(_layout(), transport="tcp") as p:
+        for why in ("duplicates", "out of range", "1 blocks allocated for 2", "failed"):
+            with pytest.raises(BlockError, match="allocator") as e:
+                p.push(c.address, "r", [1, 2], deadline=5).wait(10)
+            assert why in str(e.value)
+        p.push(c.address, "r", [1, 2], deadline=5).wait(10)  # the same session, the allocator mended
+        assert c.get(5).req == "r"
+        assert c.stats()["sessions"] == 1

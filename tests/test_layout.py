@@ -248,3 +248,22 @@ def test_segment_sums_that_would_wrap_are_refused():
     )
     with pytest.raises(LayoutError):
         KVLayout.from_desc(d)
+
+
+def test_layers_sharing_memory_are_named_in_a_warning(caplog):
+    """``[t] * 2`` (one buffer, twice) or overlapping views would land one layer's bytes over another's."""
+    base = np.zeros((16, 2, 4, 8), np.float16)
+    for caches in ([base[:8]] * 2, [base[:8], base[4:12]], [(base[:8], base[:8])]):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvxfer"):
+            KVLayout.from_tensors(caches, block_size=4, dims="BHND")
+        assert "share bytes of memory" in caplog.text
+    for caches in (
+        [base[:8], base[8:]],
+        [np.zeros((8, 2, 4, 8), np.float16) for _ in range(3)],
+        [base[:, 0], base[:, 1]],
+    ):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvxfer"):
+            KVLayout.from_tensors(caches, block_size=4, dims="BHND" if caches[0].ndim == 4 else "BND")
+        assert "share bytes" not in caplog.text  # back to back, apart, interleaved K and V: disjoint

@@ -142,6 +142,23 @@ def test_a_lease_frees_its_blocks_only_after_its_last_read_stopped():
     assert freed == ["r", "d"]
 
 
+def test_a_stream_byte_is_received_once():
+    from kvxfer import ProtocolError
+
+    g = _grants()
+    slot, _ = g.admit(1, "a", 2, deadline=5, now=0)
+    half = slot.nbytes // 2
+    t = g.begin_write(1, "a", slot.gen, slot.ids, (0, half))
+    g.end_receive(t, half, now=1)
+    for dup in [(0, half), (half - 1, half + 1), (0, 1)]:  # again, overlapping, inside
+        with pytest.raises(ProtocolError):
+            g.begin_write(1, "a", slot.gen, slot.ids, dup)
+    assert slot.landed == half and slot.moving == 0  # a refused window counts nothing, holds nothing
+    t = g.begin_write(1, "a", slot.gen, slot.ids, (half, slot.nbytes))
+    assert g.end_receive(t, slot.nbytes - half, now=1) is None  # complete only once the Done comes
+    assert g.done(1, "a", slot.gen, slot.nbytes, {}, b"") is slot
+
+
 def test_free_list():
     fl = FreeList(8, reserved=[0])
     a = fl.allocate(3)

@@ -45,9 +45,12 @@ class Peer:
 class WriteHost(Protocol):
     """The consumer's side of a transport: it checks every write against its ledger before a byte lands."""
 
-    def begin_write(self, session: int, req: str, gen: int, ids: np.ndarray) -> Any:
-        """A peer wants to write blocks ``ids``; returns a ticket (with ``.error``, ``.selection`` and
-        ``.chunks``) or raises a kvxfer error. The blocks stay allocated until ``end_write`` of that ticket."""
+    def begin_write(
+        self, session: int, req: str, gen: int, ids: np.ndarray, window: tuple[int, int] | None = None
+    ) -> Any:
+        """A peer wants to write blocks ``ids`` (bytes ``window`` of the request's stream, which no earlier write
+        may have sent); returns a ticket (with ``.error``, ``.selection`` and ``.chunks``) or raises a kvxfer
+        error. The blocks stay allocated until ``end_write`` of that ticket."""
 
     def end_write(self, ticket: Any, nbytes: int, error: BaseException | None) -> None: ...
 

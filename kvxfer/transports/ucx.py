@@ -24,6 +24,7 @@ transport's links), 24 bits of transfer sequence (odd for pushes, even for pulls
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -405,7 +406,7 @@ class UcxLink(Link[UcxTransport]):
 
     def _serve_push(self, head: Header) -> None:
         host = cast(WriteHost, self.t.host)
-        if (begun := self._begin(head, host.begin_write)) is None:
+        if (begun := self._begin(head, functools.partial(host.begin_write, window=(0, head.total)))) is None:
             return
         ids, ticket = begun
         answer = READY  # which reply the producer waits for: a failure before the stream answers the header

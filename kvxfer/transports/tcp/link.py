@@ -156,7 +156,8 @@ class TcpLink(Link["TcpTransport"]):
                     raise ProtocolError(f"unexpected {type(msg).__name__} on a push connection")
                 try:
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
-                    ticket = host.begin_write(self.peer.session, msg.req, msg.gen, ids)
+                    span = (msg.offset, msg.offset + msg.length)  # each byte of the stream is received once
+                    ticket = host.begin_write(self.peer.session, msg.req, msg.gen, ids, span)
                 except KVXferError as e:
                     _drain(sock, msg.length)  # the refused bytes never touch registered memory
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
