@@ -28,6 +28,7 @@ from .errors import (
     PeerError,
     from_code,
 )
+from .ledger import VERDICT_WAIT
 from .lifecycle import deadline_in, gate, given_seconds
 from .plan import check_ids, check_tokens
 from .transfer import Status, Transfer
@@ -42,6 +43,8 @@ log = logging.getLogger("kvxfer")
 class Fetch(Transfer):
     """A fetch as its caller sees it. ``cancel`` stops it, but it *ends* (and ``done()`` turns true) only
     when nothing can land in its blocks any more."""
+
+    _grace = VERDICT_WAIT + 1.0  # a read that released its blocks waits that long for the producer's verdict
 
     def __init__(self, req: str, address: str, ids: np.ndarray, block_bytes: int, deadline: float, skip: int):
         super().__init__(req, "fetch", address, ids, block_bytes, deadline)

@@ -39,6 +39,8 @@ class Transfer:
     when it ends, so a caller with many transfers in flight keeps no thread blocked per transfer.
     """
 
+    _grace = 1.0  # seconds past its deadline by which it has surely ended (the reaper's rounds, a last move)
+
     def __init__(self, req: str, kind: str, address: str, src_ids: np.ndarray, block_bytes: int, deadline: float):
         self.req = req
         self.kind = kind
@@ -103,7 +105,7 @@ class Transfer:
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
-        limit, asked = max(0.0, self.deadline - time.monotonic()) + 1.0, wait_limit(timeout)
+        limit, asked = max(0.0, self.deadline - time.monotonic()) + self._grace, wait_limit(timeout)
         if not self._ended.wait(limit if asked is None else min(asked, limit)):
             raise DeadlineError(f"transfer {self.req!r} still {self.status.value} after waiting")
         if self.error is not None:

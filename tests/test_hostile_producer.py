@@ -18,13 +18,10 @@ def _layout():
     return KVLayout.from_tensors([np.zeros((16, 2, 16, 2, 64), np.float16) for _ in range(2)], dims="BKNHD")
 
 
-@pytest.mark.timeout(60)
-def test_the_producer_a_consumer_fetches_from_cannot_push_into_it():
-    layout = _layout()
-    server = socket.create_server(("127.0.0.1", 0))
-    seen: list = []
+def _serve_one(server: socket.socket, layout: KVLayout, script) -> threading.Thread:
+    """A producer by hand: the handshake of a fetching consumer's session, then ``script(ch, fetch)``."""
 
-    def hostile_producer():
+    def run():
         sock, _ = server.accept()
         ch = Channel(sock)
         opening, nonce = handshake.hello("hostile")
@@ -34,15 +31,27 @@ def test_the_producer_a_consumer_fetches_from_cannot_push_into_it():
         proof, _ = handshake.answer(challenge, "c", "", nonce, layout, [("tcp", mine.local_meta())])
         ch.send(proof)
         ch.recv(10)  # Welcome
-        fetch = ch.recv(10)
-        ch.send(wire.Admit(req="injected", num_blocks=2, deadline_ms=5000, data=b"\x42" * (2 * layout.block_bytes)))
-        seen.append(ch.recv(10))
-        ch.send(wire.Error(req=fetch.req, code="stale", message="no such hold"))
+        script(ch, ch.recv(10))
         threading.Event().wait(1)
         mine.close()
 
-    thread = threading.Thread(target=hostile_producer, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_the_producer_a_consumer_fetches_from_cannot_push_into_it():
+    layout = _layout()
+    server = socket.create_server(("127.0.0.1", 0))
+    seen: list = []
+
+    def script(ch, fetch):
+        ch.send(wire.Admit(req="injected", num_blocks=2, deadline_ms=5000, data=b"\x42" * (2 * layout.block_bytes)))
+        seen.append(ch.recv(10))
+        ch.send(wire.Error(req=fetch.req, code="stale", message="no such hold"))
+
+    thread = _serve_one(server, layout, script)
     with Consumer(layout, transport="tcp", allowed_producers=["10.0.0.0/8"]) as c:
         free = c.allocator.num_free
         f = c.fetch(f"127.0.0.1:{server.getsockname()[1]}", "wanted", [5, 6], deadline=5)
@@ -52,4 +61,27 @@ def test_the_producer_a_consumer_fetches_from_cannot_push_into_it():
         assert isinstance(seen[0], wire.Error) and seen[0].req == "injected"
         assert c.stats()["handed"] == 0 and c.arrivals.empty()
         assert c.allocator.num_free == free
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_the_producer_confirms_late_but_within_the_verdict_wait_succeeds():
+    """After its Released a read waits ``VERDICT_WAIT`` past its deadline for the producer's Ack (whether the
+    lease held is the producer's to say): the caller's ``wait`` must not give up earlier and call it failed."""
+    layout = _layout()
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def script(ch, fetch):
+        data = b"\x01" * (2 * layout.block_bytes)
+        ch.send(wire.Offer(req=fetch.req, gen=5, ids=wire.ids_to_bytes([0, 1]), lease_ms=60_000, data=data))
+        assert isinstance(ch.recv(10), wire.Released)
+        threading.Event().wait(2.5)  # past the fetch's deadline and a second, within VERDICT_WAIT
+        ch.send(wire.Ack(req=fetch.req, gen=5))
+
+    thread = _serve_one(server, layout, script)
+    with Consumer(layout, transport="tcp") as c:
+        f = c.fetch(f"127.0.0.1:{server.getsockname()[1]}", "late", [5, 6], deadline=1)
+        f.wait(30)
+        assert f.error is None
+        thread.join(10)
     server.close()
