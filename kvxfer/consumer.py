@@ -475,20 +475,25 @@ class Consumer(HandleBase):
         except KVXferError as e:
             return self._reject(s, msg.req, e, attempt=msg.attempt)
         self._count("admitted", not (slot.senders > 1 and len(slot.parts) > 1))
+        self._superseded(s, superseded)
+        gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
+        if msg.data:
+            return self._land_inline(s, slot, msg, meta)
+        s.transport.expect()
+        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+
+    def _superseded(self, s: _ConsumerSession, superseded: list[Slot]) -> None:
+        """Slots a new admission of their id replaced: their writers learn now, before they move a byte (one-sided
+        writes included); on the admitting session the answer would name the new transfer."""
         self._count("failed", len(superseded))
-        for old in superseded:  # its writers learn now, before they move a byte (one-sided writes included)
+        for old in superseded:
             self._tell_members(
                 old,
                 lambda gen, old=old: wire.Error(
                     req=old.req, gen=gen, code=StaleError.code, message=f"request {old.req!r} superseded"
                 ),
                 skip=s.sid,
-            )  # on the same session the answer would name the new transfer
-        gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
-        if msg.data:
-            return self._land_inline(s, slot, msg, meta)
-        s.transport.expect()
-        s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
+            )
 
     def _landed_inline(self, s: _ConsumerSession, slot: Slot, data: bytes) -> int:
         """Scatter a request's bytes, carried in its Admit or Offer, into the slot's blocks; returns their count."""
@@ -714,6 +719,8 @@ class Consumer(HandleBase):
                 self.fetches.end(fetch, e)
             return self._reject(s, msg.req, e, gen=msg.gen)
         self._count("admitted")
+        superseded, slot.superseded = slot.superseded, []
+        self._superseded(s, superseded)
         cancel = None if msg.data else threading.Event()  # landing an offer's own bytes has no read to stop
         with self._lock:
             s.pulls[msg.req] = (slot, cancel)

@@ -117,6 +117,7 @@ class Slot:
     chunks: int | None = None  # blocks of another size map through token positions: the request's chunk count
     per_block: int = 1  # chunks per block of ours (a big block takes several of the producer's small ones)
     windows: list[tuple[int, int]] = field(default_factory=list)  # stream bytes receives claimed, sorted
+    superseded: list[Slot] = field(default_factory=list)  # an offer's admission: the slots of the id it replaced
 
     @property
     def ready(self) -> bool:
@@ -342,8 +343,9 @@ class Grants:
         partial: bool = False,
     ) -> Slot:
         """Admit an offer this consumer will read: blocks to read into (``ids`` for a fetch), named to the
-        producer by its lease; ``ranges``: the bytes of every block the offer fills (it must fill them all)."""
-        slot, _ = self.admit(
+        producer by its lease; ``ranges``: the bytes of every block the offer fills (it must fill them all). The
+        slots it superseded are in the new slot's ``superseded``, for the caller to tell their writers."""
+        slot, slot.superseded = self.admit(
             peer,
             req,
             n,

@@ -182,3 +182,23 @@ def test_a_meta_past_its_bound_is_refused_before_it_is_decoded(consumers, produc
     assert isinstance(raw.recv(), wire.Grant)  # the same session goes on
     raw.close()
     _alive(consumer, producers())
+
+
+@pytest.mark.parametrize("how", ["Admit", "Offer"])
+def test_a_new_admission_of_an_active_id_tells_its_old_writer(consumers, transport, how):
+    """docs/protocol.md: a new admission of a request id still active supersedes the old one, whose writers on
+    other sessions are told ``Error(stale)`` at once, whether the new one is a push or an offer."""
+    consumer = consumers()
+    a, b = RawPeer(consumer.address), RawPeer(consumer.address)
+    a.hello(consumer.layout, transport)
+    b.hello(consumer.layout, transport)
+    a.send(wire.Admit(req="victim", num_blocks=2, deadline_ms=10_000))
+    assert isinstance(a.recv(), wire.Grant)
+    if how == "Admit":
+        b.send(wire.Admit(req="victim", num_blocks=2, deadline_ms=10_000))
+    else:
+        b.send(wire.Offer(req="victim", gen=1, ids=wire.ids_to_bytes([0, 1]), lease_ms=10_000))
+    told = a.recv()
+    assert isinstance(told, wire.Error) and told.code == "stale" and told.req == "victim"
+    a.close()
+    b.close()
