@@ -85,3 +85,24 @@ def test_a_fetch_the_producer_confirms_late_but_within_the_verdict_wait_succeeds
         assert f.error is None
         thread.join(10)
     server.close()
+
+
+def test_admits_naming_ever_new_layer_subsets_do_not_grow_the_session():
+    """Each layer subset a part names costs a paging, cached per session: a peer naming a new one in every
+    Admit (32 layers have 2**32 subsets; refused Admits count too) finds the cache bounded."""
+    from conformance.rawpeer import RawPeer
+    from kvxfer.transports.base import SELECTIONS
+
+    layers = 8
+    layout = KVLayout.from_tensors([np.zeros((16, 2, 4, 1, 8), np.float16) for _ in range(layers)], dims="BKNHD")
+    with Consumer(layout, transport="tcp") as c:
+        raw = RawPeer(c.address, timeout=10)
+        raw.hello(layout, "tcp")
+        link = next(iter(c._sessions.values())).link
+        for mask in range(1, 2**layers):
+            raw.send(
+                wire.Admit(req="x", num_blocks=1, deadline_ms=1000, layers=[i for i in range(layers) if mask >> i & 1])
+            )
+            raw.recv()
+        assert len(link.__dict__.get("_selected", {})) <= SELECTIONS
+        raw.close()

@@ -72,6 +72,8 @@ Host = WriteHost | ReadHost
 
 
 T = TypeVar("T", bound="Transport")
+SELECTIONS = 64  # pagings of layer or head selections a link keeps (a request's parts use a few)
+_SELECTING = threading.Lock()
 
 
 class Link(ABC, Generic[T]):
@@ -110,15 +112,21 @@ class Link(ABC, Generic[T]):
         """Pull the peer's offered blocks ``src_ids`` into local blocks ``dst_ids``; returns bytes moved."""
 
     def paging(self, part: Selection | None = None) -> Paging:
-        """The peer's paging, restricted to what ``part`` carries (cached per selection)."""
+        """The peer's paging, restricted to what ``part`` carries (cached per selection, the last
+        ``SELECTIONS`` of them: a peer naming a new layer subset in every Admit must not grow the cache)."""
         if part is None:
             return self.peer.paging
-        cache = self.__dict__.setdefault("_selected", {})
-        p = cache.get(part)
+        cache: dict[Selection, Paging] = self.__dict__.setdefault("_selected", {})
+        with _SELECTING:
+            p = cache.pop(part, None)
         if p is None:
             local = self.t.layout
             a, b = (local, self.peer.layout) if self.peer.is_producer else (self.peer.layout, local)
-            p = cache[part] = paging(a, b, part)
+            p = paging(a, b, part)
+        with _SELECTING:
+            if len(cache) >= SELECTIONS:
+                del cache[next(iter(cache))]  # the least recently used
+            cache[part] = p
         return p
 
     def descriptors(self, src_ids: np.ndarray, dst_ids: np.ndarray, chunks: int | None = None) -> int:
