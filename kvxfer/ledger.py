@@ -76,6 +76,7 @@ class Part:
     landed: int = 0
     done: bool = False
     windows: list[tuple[int, int]] = field(default_factory=list)  # stream bytes receives claimed, sorted
+    extents: Any = None  # the receiving transport's extents of it, made once for all its windows
 
     @property
     def error(self) -> KVXferError | None:  # a write ticket: a failed request stops every part's receive
@@ -118,6 +119,7 @@ class Slot:
     per_block: int = 1  # chunks per block of ours (a big block takes several of the producer's small ones)
     windows: list[tuple[int, int]] = field(default_factory=list)  # stream bytes receives claimed, sorted
     superseded: list[Slot] = field(default_factory=list)  # an offer's admission: the slots of the id it replaced
+    extents: Any = None  # the receiving transport's extents of it, made once for all its windows
 
     @property
     def ready(self) -> bool:
@@ -685,6 +687,7 @@ class Lease:
     readers: int = 0  # reads being served from its blocks now
     error: KVXferError | None = None  # why it ended (released, expired, cancelled): a read being served stops
     unread: list[Callable[[], None]] = field(default_factory=list)  # what runs once it ended and no read serves
+    extents: Any = None  # the serving transport's extents of it, made once for all its reads
 
 
 class Leases:

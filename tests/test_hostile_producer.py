@@ -106,3 +106,32 @@ def test_admits_naming_ever_new_layer_subsets_do_not_grow_the_session():
             raw.recv()
         assert len(link.__dict__.get("_selected", {})) <= SELECTIONS
         raw.close()
+
+
+def test_a_grant_written_in_many_small_windows_plans_its_blocks_once(monkeypatch):
+    """A window of one byte must not cost the extents of the whole grant: with a peer layout cut into tiny
+    segments that was seconds and hundreds of MB per WriteData. The grant's extents are made once."""
+    from conformance.rawpeer import RawPeer
+    from kvxfer.transports.tcp.link import TcpLink
+
+    layout = _layout()
+    made = []
+    plan = TcpLink._extents
+    monkeypatch.setattr(TcpLink, "_extents", lambda self, *a, **k: made.append(1) or plan(self, *a, **k))
+    with Consumer(layout, transport="tcp") as c:
+        raw = RawPeer(c.address, timeout=10)
+        welcome = raw.hello(layout, "tcp")
+        raw.send(wire.Admit(req="many", num_blocks=4, deadline_ms=10_000))
+        grant = raw.recv()
+        data = RawPeer(c.address, timeout=10)
+        data.send(handshake.data_hello(welcome.session, "push", raw.key))
+        total, step = 4 * layout.block_bytes, layout.block_bytes // 4
+        for offset in range(0, total, step):
+            data.send(wire.WriteData(req="many", gen=grant.gen, ids=grant.ids, offset=offset, length=step))
+            data.send_bytes(bytes([offset // step]) * step)
+            assert data.recv().ok
+        raw.send(wire.Done(req="many", gen=grant.gen, nbytes=total))
+        assert isinstance(raw.recv(), wire.Ack)
+        assert len(made) == 1
+        raw.close()
+        data.close()

@@ -163,8 +163,13 @@ class TcpLink(Link["TcpTransport"]):
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
                     continue
                 try:
-                    # the grant decides the bytes
-                    ext = self._extents(ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None))
+                    # the grant decides the bytes: its extents, made once for every window (a window of one byte
+                    # must not cost those of the whole grant each time)
+                    ext = ticket.extents
+                    if ext is None:
+                        ticket.extents = ext = self._extents(
+                            ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None)
+                        )
                     window = windows.checked(ext, msg.offset, msg.length)
                     check = functools.partial(self._ticket_live, ticket)
                     self.t.watchdog.guarded(sock, check, functools.partial(self.t.mover.recv, sock, window))
@@ -228,7 +233,9 @@ class TcpLink(Link["TcpTransport"]):
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
                     ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
                     try:
-                        ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
+                        ext = ticket.extents
+                        if ext is None:
+                            ticket.extents = ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
                         window = windows.checked(ext, msg.offset, msg.length)
                     except KVXferError as e:
                         host.end_read(ticket, 0, e)
