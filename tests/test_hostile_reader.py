@@ -5,6 +5,7 @@ blocks at once), not one byte of the blocks' new contents may reach it."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -75,3 +76,42 @@ def test_a_read_past_the_lease_never_sends_the_blocks_new_contents():
         peer.close()
     finally:
         producer.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_address_that_drops_every_pull_connection_is_dialled_ever_less():
+    """A fetching consumer names where the producer's pull connections go. Named an address that takes them
+    and drops them (a third party's), the producer must not redial it twenty times a second for the session."""
+    from kvxfer.transports.tcp.link import REDIALS
+
+    layout = KVLayout.from_tensors([np.zeros((8, 2, 4, 1, 8), np.float16)], dims="BKNHD")
+    victim = socket.create_server(("127.0.0.1", 0))
+    dialled = []
+
+    def drop_all():
+        while True:
+            try:
+                s, _ = victim.accept()
+            except OSError:
+                return
+            dialled.append(time.monotonic())
+            s.close()
+
+    threading.Thread(target=drop_all, daemon=True).start()
+    producer = Producer(layout, transport="tcp", listen="127.0.0.1:0", transport_options={"streams": 1})
+    try:
+        peer = RawPeer(producer.address, timeout=10)
+        hello = handshake.check_hello(peer.recv())
+        challenge, nonce = handshake.challenge(hello, "hostile", "")
+        peer.send(challenge)
+        *_, key = handshake.check_proof(peer.recv(), "", hello.nonce, nonce, layout, ["tcp"])
+        mine = transports.get("tcp")(layout, host=None)
+        elsewhere = f"127.0.0.1:{victim.getsockname()[1]}"
+        peer.send(handshake.welcome(7, layout, "tcp", mine.local_meta(), key, elsewhere))
+        time.sleep(3)
+        assert 1 <= len(dialled) <= REDIALS + 1  # was some 60 in 3 s
+        peer.close()
+        mine.close()
+    finally:
+        producer.close()
+        victim.close()

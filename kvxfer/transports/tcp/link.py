@@ -31,6 +31,9 @@ from .pool import POLL, Connections
 if TYPE_CHECKING:
     from . import TcpTransport
 
+REDIAL_WAIT = 0.025  # a broken pull connection is dialled again after this, doubled for each idle one before
+REDIALS = 8  # idle pull connections in a row after which a link stops dialling them
+
 
 def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
     """Read and drop ``n`` bytes of a refused write so the connection stays in step (bounded by ``limit``)."""
@@ -63,6 +66,7 @@ class TcpLink(Link["TcpTransport"]):
         self.t = transport
         self.peer = peer
         self.conns = Connections(self._dial, transport.streams)
+        self._idle_redials = 0  # pull connections in a row that ended having served no read
 
     @property
     def closed(self) -> bool:
@@ -222,6 +226,7 @@ class TcpLink(Link["TcpTransport"]):
     def serve_reads(self, ch: Channel) -> None:
         """Answer ``ReadData`` requests from offered blocks; reopen a connection that broke."""
         host, sock = cast(ReadHost, self.t.host), ch.sock
+        served = False
         try:
             while not self.closed:
                 with mapped("waiting for a read"):
@@ -232,6 +237,7 @@ class TcpLink(Link["TcpTransport"]):
                 try:
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
                     ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
+                    served = True  # a consumer is there: what happens to this read is no reason to dial less
                     try:
                         ext = ticket.extents
                         if ext is None:
@@ -255,8 +261,11 @@ class TcpLink(Link["TcpTransport"]):
             pass
         finally:
             self.conns.drop(ch)
-            if not self.closed:
-                time.sleep(0.05)
+            # a connection that no read came through counts against redialling: an address that takes connections
+            # and drops them (perhaps no consumer at all, only an address a peer named) is dialled ever less
+            self._idle_redials = 0 if served else self._idle_redials + 1
+            if not self.closed and self._idle_redials <= REDIALS:
+                time.sleep(min(REDIAL_WAIT * 2**self._idle_redials, 5.0))
                 self.open_pull()
 
     def close(self) -> None:
