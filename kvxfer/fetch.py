@@ -266,6 +266,7 @@ class Fetches:
             error, f.nbytes = freed.error, freed.landed
             if error is None:
                 f.timings["moved"] = time.monotonic()
+                f.meta = dict(freed.meta)  # what the hold carries for its reader (``Producer.hold(meta=...)``)
             f._finish(error, Status.CANCELLED if f.cancel_event.is_set() and error is not None else None)
 
     def _owner(self, slot: Slot) -> Fetch | None:

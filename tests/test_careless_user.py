@@ -297,3 +297,16 @@ def test_a_runtime_allocator_that_answers_wrongly_refuses_that_request_and_keeps
         p.push(c.address, "r", [1, 2], deadline=5).wait(10)  # the same session, the allocator mended
         assert c.get(5).req == "r"
         assert c.stats()["sessions"] == 1
+
+
+def test_a_fetch_carries_the_meta_of_the_hold():
+    layout = _layout()
+    with (
+        Producer(layout, transport="tcp", listen="127.0.0.1:0") as p,
+        Consumer(layout, transport="tcp") as c,
+    ):
+        held = p.hold("h", [1, 2], lease=10, meta={"first_token": 42})
+        f = c.fetch(held.ticket["address"], "h", [3, 4], deadline=10)
+        f.wait(10)
+        assert f.meta == {"first_token": 42}
+        held.wait(10)

@@ -165,8 +165,9 @@ def test_answers_name_the_attempt_and_a_cancel_before_the_grant_frees_it(consume
 def test_a_meta_past_its_bound_is_refused_before_it_is_decoded(consumers, producers, transport):
     """Nested empty lists take one byte each on the wire and some 64 in memory once decoded: a meta is bounded
     by its bytes (``wire.META_BYTES``) before it is decoded, and the request is refused, the session kept."""
-    import msgspec
     import resource
+
+    import msgspec
 
     consumer = consumers()
     raw = RawPeer(consumer.address)
