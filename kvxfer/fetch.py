@@ -30,7 +30,7 @@ from .errors import (
 )
 from .ledger import VERDICT_WAIT
 from .lifecycle import deadline_in, gate, given_seconds
-from .plan import check_ids, check_tokens
+from .plan import check_ids, check_tokens, whole
 from .transfer import Status, Transfer
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ class Fetches:
             raise ConfigError("fetching over TLS is not supported yet")
         parse_address(address)
         ids = check_ids(block_ids, c.layout.num_blocks, "destination block ids")
-        if skip < 0 or (from_token or 0) < 0:
-            raise BlockError(f"skip and from_token must be >= 0, got {skip} and {from_token}")
+        skip = whole(skip, "skip")
+        from_token = None if from_token is None else whole(from_token, "from_token")
+        readers = whole(readers, "readers", 1)
         if skip and from_token is not None:
             raise BlockError("give skip (the producer's blocks) or from_token, not both")
         bs = c.layout.fingerprint.block_size

@@ -32,6 +32,13 @@ def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
     return a
 
 
+def whole(value, what: str, lo: int = 0) -> int:
+    """A caller's count or index: a whole number (not a bool) of at least ``lo``, else ``BlockError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
+        raise BlockError(f"{what} must be a whole number, {lo} or more, got {value!r}")
+    return int(value)
+
+
 def check_tokens(tokens, blocks: int, block_size: int) -> int | None:
     """A caller's ``tokens`` for ``blocks`` blocks: None (every block full) or a whole number the blocks hold
     with the last one partly filled at most, else ``BlockError``."""

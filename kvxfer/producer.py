@@ -37,7 +37,7 @@ from .errors import (
 from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, gate, given_seconds, ms
-from .plan import check_ids, check_tokens
+from .plan import check_ids, check_tokens, whole
 from .shard import Selection, held, held_layers, sharded, staged
 from .sockets import accept, shutdown
 from .sockets import close as close_socket
@@ -127,7 +127,7 @@ class Producer(HandleBase):
         inline_max: int = inline.DEFAULT,
         spin: float = SPIN,
     ):
-        if not 0 <= inline_max <= inline.LIMIT:
+        if isinstance(inline_max, bool) or not isinstance(inline_max, int) or not 0 <= inline_max <= inline.LIMIT:
             raise ConfigError(f"inline_max must be within [0, {inline.LIMIT}], got {inline_max}")
         if listen is not None and tls is not None:
             raise ConfigError("fetching over TLS is not supported yet: give listen= or tls=, not both")
@@ -390,13 +390,17 @@ class Producer(HandleBase):
         t = self._start("push", address, req, block_ids, deadline, tokens)
         t.meta, t.meta_size = wire.check_meta(meta)
         own = held_layers(self.layout)
-        if not 0 <= int(part) < int(senders):
+        senders, part = whole(senders, "senders", 1), whole(part, "part")
+        if not part < senders:
             raise BlockError(f"part {part} of {senders} senders: senders must be 1 or more, part within them")
         if digests and (senders > 1 or heads is not None):
             raise BlockError("per-block digests cover whole blocks: not for a part of a request")
         hs = ls = None
         if heads is not None:  # alone, it must be every head the consumer holds: the consumer checks
-            lo, hi = (int(x) for x in heads)
+            try:
+                lo, hi = (whole(x, "heads") for x in heads)
+            except (TypeError, ValueError):
+                raise BlockError(f"heads must be [start, stop) of kv heads, got {heads!r}") from None
             mine = held(self.layout)
             if not mine[0] <= lo < hi <= mine[1]:
                 raise BlockError(f"heads [{lo}, {hi}) are not among the heads {list(mine)} this producer holds")

@@ -115,6 +115,8 @@ class Transfer:
     def add_done_callback(self, fn: Callable[[Transfer], Any]) -> None:
         """Call ``fn(transfer)`` once it ended: at once if it already has, else in the thread that ends it.
         An exception in ``fn`` is logged and ignored, as ``concurrent.futures`` does."""
+        if not callable(fn):
+            raise TypeError(f"a done callback must be callable, got {fn!r}")
         with self._lock:
             if not self._ended.is_set():
                 self._callbacks.append(fn)

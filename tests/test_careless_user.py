@@ -310,3 +310,19 @@ def test_a_fetch_carries_the_meta_of_the_hold():
         f.wait(10)
         assert f.meta == {"first_token": 42}
         held.wait(10)
+
+
+def test_counts_and_callbacks_of_the_wrong_type_are_refused_at_the_call():
+    with Producer(_layout(), transport="tcp") as p, Consumer(_layout(), transport="tcp") as c:
+        for kwargs in ({"senders": "2"}, {"part": -1}, {"heads": 5}, {"heads": ["a", "b"]}, {"senders": True}):
+            with pytest.raises(BlockError):
+                p.push(c.address, "r", [1], **kwargs)
+        for kwargs in ({"skip": "1"}, {"from_token": 1.5}, {"readers": "x"}, {"readers": 0}):
+            with pytest.raises(BlockError):
+                c.fetch("127.0.0.1:1", "r", [1], **kwargs)
+        t = p.push(c.address, "ok", [1])
+        with pytest.raises(TypeError):
+            t.add_done_callback(None)
+        t.wait(5)
+    with pytest.raises(ConfigError):
+        Producer(_layout(), transport="tcp", inline_max="1")
