@@ -111,6 +111,13 @@ class ClosedError(KVXferError):
     code = "closed"
 
 
+class ClosedEmptyError(ClosedError, DeadlineError):
+    """A wait on a closed handle with nothing left to hand out: nothing will come (a ``ClosedError``), so nothing
+    came within the timeout either (a ``DeadlineError``, which callers polling ``get(timeout)`` catch)."""
+
+    code = "closed"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (

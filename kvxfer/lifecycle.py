@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from . import transports
-from .errors import ClosedError, ConfigError, DeadlineError, KVXferError, TransportError
+from .errors import ClosedEmptyError, ClosedError, ConfigError, DeadlineError, KVXferError, TransportError
 from .layout import KVLayout
 from .transports.base import Transport
 
@@ -70,7 +70,7 @@ class Mailbox:
             raise DeadlineError(f"no {self.what} within {timeout}s") from None
         if item is Mailbox._CLOSED:
             self._q.put(item)  # for the next waiter
-            raise ClosedError(f"closed: no {self.what} will come")
+            raise ClosedEmptyError(f"closed: no {self.what} will come")
         return item
 
     def close(self) -> None:

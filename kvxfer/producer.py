@@ -390,9 +390,14 @@ class Producer(HandleBase):
         t = self._start("push", address, req, block_ids, deadline, tokens)
         t.meta, t.meta_size = wire.check_meta(meta)
         own = held_layers(self.layout)
-        senders, part = whole(senders, "senders", 1), whole(part, "part")
-        if not part < senders:
-            raise BlockError(f"part {part} of {senders} senders: senders must be 1 or more, part within them")
+        try:
+            senders, part = whole(senders, "senders", 1), whole(part, "part")
+            if not part < senders:
+                raise BlockError("part past the senders")
+        except BlockError:
+            raise BlockError(
+                f"part {part!r} of {senders!r} senders: senders must be a whole number, 1 or more, part within them"
+            ) from None
         if digests and (senders > 1 or heads is not None):
             raise BlockError("per-block digests cover whole blocks: not for a part of a request")
         hs = ls = None
