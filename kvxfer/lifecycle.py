@@ -138,6 +138,7 @@ class HandleBase:
     ):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a whole number of threads, 1 or more, got {workers!r}")
+        auth = "" if auth is None else auth  # None: no token, as ""
         if not isinstance(auth, str):
             raise ConfigError(f'auth must be a token string ("" for none), got {type(auth).__name__}')
         if not isinstance(transport, str):
