@@ -410,7 +410,7 @@ class Consumer(HandleBase):
             return self.fetches.refused(f, msg)
         if isinstance(msg, wire.Done):
             try:
-                slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, wire.meta_of(msg.meta), msg.digests)
+                slot = self.grants.done(s.sid, msg.req, msg.gen, msg.nbytes, msg.meta, msg.digests)
             except KVXferError as e:
                 self._refuse(s, msg.req, msg.gen, e)
                 return
@@ -454,7 +454,7 @@ class Consumer(HandleBase):
                 raise BlockError(f"request {msg.req!r}: only a whole single-sender push carries its bytes inline")
             if msg.data and self._inline is None:
                 raise BlockError(f"request {msg.req!r}: this consumer's device memory takes no inline bytes")
-            meta = wire.meta_of(msg.meta)
+            meta = msg.meta
             part, ranges = self._part(s, msg)
             n, chunks, per_block = self._paged(s, part, msg.req, msg.num_blocks, msg.tokens)
             slot, superseded = self.grants.admit(
@@ -665,7 +665,7 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
-            meta = wire.meta_of(msg.meta)
+            meta = msg.meta
             n, chunks, per_block = self._paged(s, None, msg.req, len(src), msg.tokens)
             if fetch is None:
                 if s.fetch_address:  # a session this consumer opened answers its fetches only: this one ended

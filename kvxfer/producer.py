@@ -430,7 +430,7 @@ class Producer(HandleBase):
                 num_blocks=len(t.src_ids),
                 attempt=t.attempt,
                 deadline_ms=ms(t.deadline - time.monotonic()),
-                meta=wire.raw_meta(t.meta),
+                meta=t.meta,
                 senders=t.senders,
                 part=t.part,
                 layers=None if t.part_of is None or t.part_of.layers is None else list(t.part_of.layers),
@@ -489,7 +489,7 @@ class Producer(HandleBase):
                 gen=t.gen,
                 ids=wire.ids_to_bytes(t.src_ids),
                 lease_ms=ms(seconds),
-                meta=wire.raw_meta(t.meta),
+                meta=t.meta,
                 digests=self._digests(s, t.digests),
                 tokens=tokens,
                 data=self._packed(s, t, t.src_ids, tokens),
@@ -588,7 +588,7 @@ class Producer(HandleBase):
                 gen=r.gen,
                 ids=wire.ids_to_bytes(ids),
                 lease_ms=ms(seconds),
-                meta=wire.raw_meta(r.meta),
+                meta=r.meta,
                 digests=digests,
                 tokens=tokens,
                 data=self._packed(s, r, ids, tokens),
@@ -783,11 +783,7 @@ class Producer(HandleBase):
         if t.done():
             return
         t._mark(Status.COMMITTING, "moved")
-        s.send(
-            wire.Done(
-                req=t.req, gen=t.gen, nbytes=moved, meta=wire.raw_meta(t.meta), digests=self._digests(s, t.digests)
-            )
-        )
+        s.send(wire.Done(req=t.req, gen=t.gen, nbytes=moved, meta=t.meta, digests=self._digests(s, t.digests)))
 
     def _released(self, s: _ProducerSession, t: Transfer, msg: wire.Released) -> None:
         now = time.monotonic()

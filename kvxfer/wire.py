@@ -44,7 +44,6 @@ MAX_BLOCKS = 1 << 32  # block ids travel as uint32
 META_DEPTH = 4  # containers a meta value may nest, below the meta dict itself
 META_ITEMS = 1024  # entries of any one dict or list inside meta
 META_BYTES = 1 << 20  # the most a request's meta may take encoded (checked where a caller hands it in, and on receipt)
-_NO_META = msgspec.Raw(b"\x80")  # an empty map, encoded
 MAX_REQ = 1 << 12  # characters of a request id a caller may choose
 _LEN = struct.Struct(">I")
 
@@ -181,7 +180,7 @@ class Admit(_Msg, tag="admit"):
     req: str
     num_blocks: U32
     deadline_ms: U63
-    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
+    meta: Meta = {}
     senders: U32 = 1
     part: U32 = 0
     layers: Annotated[list[U32], msgspec.Meta(max_length=1 << 20)] | None = None
@@ -215,7 +214,7 @@ class Offer(_Msg, tag="offer"):
     gen: U63
     ids: bytes
     lease_ms: U63
-    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
+    meta: Meta = {}
     digests: bytes = b""
     tokens: Tokens | None = None  # as in ``Admit``: the offered blocks' tokens, when the two sides page differently
     data: Annotated[bytes, msgspec.Meta(max_length=INLINE_MAX)] = b""  # a small offer's bytes (read at the offer):
@@ -242,7 +241,7 @@ class Done(_Msg, tag="done"):
     req: str
     gen: U63
     nbytes: U63
-    meta: msgspec.Raw = _NO_META  # a Meta, decoded apart and bounded first (``meta_of``)
+    meta: Meta = {}
     digests: bytes = b""
 
 
@@ -345,27 +344,6 @@ _meta_decoder = msgspec.msgpack.Decoder(Meta)  # built once: ``msgspec.convert(x
 _EMPTY_META_SIZE = len(_encoder.encode({}))
 
 
-def meta_of(raw) -> dict[str, Any]:
-    """A received message's ``meta``: its bytes are bounded by ``META_BYTES`` before they are decoded (a frame of
-    nested empty lists, each one byte, would decode to some 64 bytes of Python objects apiece), then checked as
-    ``Meta``; ``ProtocolError`` if not. A message built in this process holds its dict already."""
-    if isinstance(raw, dict):
-        return raw
-    if raw == _NO_META:
-        return {}
-    if len(raw) > META_BYTES:
-        raise ProtocolError(f"meta of {len(raw)} bytes, more than {META_BYTES}")
-    try:
-        return _meta_decoder.decode(raw)
-    except msgspec.MsgspecError as e:
-        raise ProtocolError(f"malformed meta: {e}") from None
-
-
-def raw_meta(meta: dict[str, Any]) -> msgspec.Raw:
-    """A checked ``meta`` (``check_meta``) as a message carries it."""
-    return msgspec.Raw(_encoder.encode(meta)) if meta else _NO_META
-
-
 def check_meta(meta) -> tuple[dict[str, Any], int]:
     """A caller's ``meta`` as the wire carries it, and its encoded size; ``ConfigError`` if the wire cannot
     (not JSON-like, keys not strings, nested or sized past the limits), before it reaches a peer: a consumer
@@ -429,10 +407,45 @@ def _tag_first(body) -> bool:
     return bool(skip) and body[skip : skip + 2] == b"\xa1t"
 
 
+class _MetaOf(msgspec.Struct, tag_field="t"):
+    """A message's ``meta`` left encoded, every other field skipped: what a big frame is checked by first."""
+
+    meta: msgspec.Raw = msgspec.Raw(b"\x80")
+
+
+class _AdmitMeta(_MetaOf, tag="admit"):
+    pass
+
+
+class _OfferMeta(_MetaOf, tag="offer"):
+    pass
+
+
+class _DoneMeta(_MetaOf, tag="done"):
+    pass
+
+
+_meta_only = msgspec.msgpack.Decoder(_AdmitMeta | _OfferMeta | _DoneMeta)
+
+
+def _check_meta_bytes(body) -> None:
+    """A ``meta`` past ``META_BYTES`` encoded is refused before it is decoded: nested empty lists take one byte
+    each on the wire and tens once decoded. Only a frame larger than that bound can hold one, so small frames
+    (every latency-bound message) skip this pass."""
+    try:
+        meta = _meta_only.decode(body).meta
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return  # no message with a meta, or a malformed one: the full decode says which
+    if len(meta) > META_BYTES:
+        raise ProtocolError(f"malformed message: meta of {len(meta)} bytes, more than {META_BYTES}")
+
+
 def decode(body: bytes | bytearray | memoryview) -> _Msg:
     """Decode one frame body; any defect is a ``ProtocolError``."""
     if not _tag_first(body):
         raise ProtocolError("malformed message: not a map starting with its tag 't'")
+    if len(body) > META_BYTES:
+        _check_meta_bytes(body)
     try:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
