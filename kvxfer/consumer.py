@@ -454,7 +454,6 @@ class Consumer(HandleBase):
                 raise BlockError(f"request {msg.req!r}: only a whole single-sender push carries its bytes inline")
             if msg.data and self._inline is None:
                 raise BlockError(f"request {msg.req!r}: this consumer's device memory takes no inline bytes")
-            meta = msg.meta
             part, ranges = self._part(s, msg)
             n, chunks, per_block = self._paged(s, part, msg.req, msg.num_blocks, msg.tokens)
             slot, superseded = self.grants.admit(
@@ -467,7 +466,7 @@ class Consumer(HandleBase):
                 part=msg.part,
                 selection=part,
                 ranges=ranges,
-                meta=meta,
+                meta=msg.meta,
                 one_sided=s.transport.one_sided,
                 chunks=chunks,
                 per_block=per_block,
@@ -478,7 +477,7 @@ class Consumer(HandleBase):
         self._superseded(s, superseded)
         gen = slot.parts[msg.part].gen if slot.senders > 1 else slot.gen
         if msg.data:
-            return self._land_inline(s, slot, msg, meta)
+            return self._land_inline(s, slot, msg)
         s.transport.expect()
         s.send(wire.Grant(req=msg.req, gen=gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt))
 
@@ -504,7 +503,7 @@ class Consumer(HandleBase):
         self._inline.unpack(s.link.paging(), slot.ids, slot.chunks, data)
         return len(data)
 
-    def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit, meta: dict) -> None:
+    def _land_inline(self, s: _ConsumerSession, slot: Slot, msg: wire.Admit) -> None:
         """A small push's bytes came with its Admit: land them in the granted blocks (the slot is receiving
         meanwhile, so a failure frees them only after), then Grant and, once handed off, Ack."""
         error: KVXferError | None = None
@@ -522,7 +521,7 @@ class Consumer(HandleBase):
             return self._refuse(s, msg.req, slot.gen, error, msg.attempt)
         grant = wire.Grant(req=msg.req, gen=slot.gen, ids=wire.ids_to_bytes(slot.ids), attempt=msg.attempt)
         try:
-            ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, meta, b"")
+            ready = self.grants.done(s.sid, msg.req, slot.gen, slot.nbytes, msg.meta, b"")
         except KVXferError as e:
             s.send(grant)
             return self._refuse(s, msg.req, slot.gen, e)
@@ -665,7 +664,6 @@ class Consumer(HandleBase):
             src = wire.ids_from_bytes(msg.ids, s.peer.layout.num_blocks)
             check_ids(src, s.peer.layout.num_blocks, "offered block ids")
             lease_end = now + max(msg.lease_ms, 1) / 1000
-            meta = msg.meta
             n, chunks, per_block = self._paged(s, None, msg.req, len(src), msg.tokens)
             if fetch is None:
                 if s.fetch_address:  # a session this consumer opened answers its fetches only: this one ended
@@ -680,7 +678,7 @@ class Consumer(HandleBase):
                     deadline,
                     now,
                     msg.gen,
-                    meta,
+                    dict(msg.meta),
                     msg.digests,
                     one_sided=s.transport.one_sided,
                     ranges=s.covered,
@@ -702,7 +700,7 @@ class Consumer(HandleBase):
                         min(fetch.deadline, lease_end),
                         now,
                         msg.gen,
-                        meta,
+                        dict(msg.meta),
                         msg.digests,
                         one_sided=s.transport.one_sided,
                         ranges=covered,
