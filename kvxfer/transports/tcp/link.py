@@ -92,6 +92,16 @@ class TcpLink(Link["TcpTransport"]):
         """Our side of a transfer of ``ids``: the stream transport needs no other side's ids."""
         return self.paging(part).side(self.peer.is_producer, ids, chunks, self.t.layout.num_blocks)
 
+    def _ticket_extents(self, ticket, ids: np.ndarray) -> Extents:
+        """Our side of a grant or lease, as its ticket decides (its selection, its chunks): made once for all its
+        windows, since a window of one byte must not cost the extents of the whole request each time."""
+        ext = ticket.extents
+        if ext is None:
+            ticket.extents = ext = self._extents(
+                ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None)
+            )
+        return ext
+
     def _checker(self, deadline: float, cancel: threading.Event) -> Callable[[], None]:
         def check():
             if cancel.is_set():
@@ -167,14 +177,7 @@ class TcpLink(Link["TcpTransport"]):
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
                     continue
                 try:
-                    # the grant decides the bytes: its extents, made once for every window (a window of one byte
-                    # must not cost those of the whole grant each time)
-                    ext = ticket.extents
-                    if ext is None:
-                        ticket.extents = ext = self._extents(
-                            ids, getattr(ticket, "selection", None), getattr(ticket, "chunks", None)
-                        )
-                    window = windows.checked(ext, msg.offset, msg.length)
+                    window = windows.checked(self._ticket_extents(ticket, ids), msg.offset, msg.length)
                     check = functools.partial(self._ticket_live, ticket)
                     self.t.watchdog.guarded(sock, check, functools.partial(self.t.mover.recv, sock, window))
                 except KVXferError as e:
@@ -239,10 +242,7 @@ class TcpLink(Link["TcpTransport"]):
                     ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
                     served = True  # a consumer is there: what happens to this read is no reason to dial less
                     try:
-                        ext = ticket.extents
-                        if ext is None:
-                            ticket.extents = ext = self._extents(ids, chunks=getattr(ticket, "chunks", None))
-                        window = windows.checked(ext, msg.offset, msg.length)
+                        window = windows.checked(self._ticket_extents(ticket, ids), msg.offset, msg.length)
                     except KVXferError as e:
                         host.end_read(ticket, 0, e)
                         raise
