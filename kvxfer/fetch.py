@@ -101,13 +101,13 @@ class Fetches:
             raise BlockError("give skip (the producer's blocks) or from_token, not both")
         bs = c.layout.fingerprint.block_size
         n_tokens = check_tokens(tokens, len(ids), bs)
-        if not 1 <= int(readers) <= wire.MAX_READERS:
+        if readers > wire.MAX_READERS:
             raise BlockError(f"readers must be within [1, {wire.MAX_READERS}], got {readers}")
         seconds = c.deadline if deadline is None else given_seconds(deadline, "deadline")
-        f = Fetch(wire.check_req(req), address, ids, c.layout.block_bytes, deadline_in(seconds), int(skip))
+        f = Fetch(wire.check_req(req), address, ids, c.layout.block_bytes, deadline_in(seconds), skip)
         f.tokens = len(ids) * bs if n_tokens is None else n_tokens
-        f.from_token = None if from_token is None else int(from_token)
-        f.readers, f.partial = int(readers), bool(partial)
+        f.from_token = from_token
+        f.readers, f.partial = readers, bool(partial)
         f._on_cancel = self._cancelled
         with self.lock:
             if f.req in self.by_req:

@@ -32,9 +32,14 @@ def check_ids(ids, num_blocks: int, what: str = "block ids") -> np.ndarray:
     return a
 
 
+def is_whole(value) -> bool:
+    """Whether ``value`` is a whole number (any integral type, numpy's too, but not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def whole(value, what: str, lo: int = 0) -> int:
     """A caller's count or index: a whole number (not a bool) of at least ``lo``, else ``BlockError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
+    if not is_whole(value) or int(value) < lo:
         raise BlockError(f"{what} must be a whole number, {lo} or more, got {value!r}")
     return int(value)
 

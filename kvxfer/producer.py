@@ -37,7 +37,7 @@ from .errors import (
 from .layout import KVLayout
 from .ledger import Lease, Leases
 from .lifecycle import HandleBase, deadline_in, gate, given_seconds, ms
-from .plan import check_ids, check_tokens, whole
+from .plan import check_ids, check_tokens, is_whole, whole
 from .shard import Selection, held, held_layers, sharded, staged
 from .sockets import accept, shutdown
 from .sockets import close as close_socket
@@ -390,14 +390,11 @@ class Producer(HandleBase):
         t = self._start("push", address, req, block_ids, deadline, tokens)
         t.meta, t.meta_size = wire.check_meta(meta)
         own = held_layers(self.layout)
-        try:
-            senders, part = whole(senders, "senders", 1), whole(part, "part")
-            if not part < senders:
-                raise BlockError("part past the senders")
-        except BlockError:
+        if not (is_whole(senders) and is_whole(part) and 0 <= part < senders):
             raise BlockError(
                 f"part {part!r} of {senders!r} senders: senders must be a whole number, 1 or more, part within them"
-            ) from None
+            )
+        senders, part = int(senders), int(part)
         if digests and (senders > 1 or heads is not None):
             raise BlockError("per-block digests cover whole blocks: not for a part of a request")
         hs = ls = None
