@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conformance.rawpeer import RawPeer
-from kvxfer import KVLayout, LeaseExpiredError, Producer, handshake, transports, wire
+from kvxfer import KVLayout, LeaseExpiredError, Producer, wire
 from kvxfer.channel import Channel
 
 OLD, NEW = 0x11, 0x77
@@ -25,13 +25,7 @@ def _fetching_reader(producer: Producer, layout: KVLayout, n: int) -> tuple:
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)
     peer = RawPeer(producer.address, timeout=10)
-    hello = handshake.check_hello(peer.recv())
-    challenge, nonce = handshake.challenge(hello, "hostile", "")
-    peer.send(challenge)
-    *_, key = handshake.check_proof(peer.recv(), "", hello.nonce, nonce, layout, ["tcp"])
-    mine = transports.get("tcp")(layout, host=None)
-    address = f"127.0.0.1:{listener.getsockname()[1]}"
-    peer.send(handshake.welcome(7, layout, "tcp", mine.local_meta(), key, address))
+    peer.welcome(layout, f"127.0.0.1:{listener.getsockname()[1]}")
     data, _ = listener.accept()
     listener.close()
     ch = Channel(data)
@@ -101,17 +95,10 @@ def test_an_address_that_drops_every_pull_connection_is_dialled_ever_less():
     producer = Producer(layout, transport="tcp", listen="127.0.0.1:0", transport_options={"streams": 1})
     try:
         peer = RawPeer(producer.address, timeout=10)
-        hello = handshake.check_hello(peer.recv())
-        challenge, nonce = handshake.challenge(hello, "hostile", "")
-        peer.send(challenge)
-        *_, key = handshake.check_proof(peer.recv(), "", hello.nonce, nonce, layout, ["tcp"])
-        mine = transports.get("tcp")(layout, host=None)
-        elsewhere = f"127.0.0.1:{victim.getsockname()[1]}"
-        peer.send(handshake.welcome(7, layout, "tcp", mine.local_meta(), key, elsewhere))
+        peer.welcome(layout, f"127.0.0.1:{victim.getsockname()[1]}")  # not its own: a third party's
         time.sleep(3)
         assert 1 <= len(dialled) <= REDIALS + 1  # was some 60 in 3 s
         peer.close()
-        mine.close()
     finally:
         producer.close()
         victim.close()
