@@ -469,11 +469,13 @@ class UcxLink(Link[UcxTransport]):
         return ext.total
 
     def close(self) -> None:
-        """Close the endpoint unless UCX already did: closing one that failed with its peer crashes ucxx. A
-        closed ucxx endpoint has no UCP handle, and a request posted on it dereferences that (SIGSEGV): the close
-        takes the lock every post holds, and a post after it finds the link closed."""
+        """Close the endpoint, blocking. Not ``ep.close()``: on an endpoint that already failed with its peer it
+        wraps a null request and crashes (SIGSEGV), and checking ``ep.alive`` first races UCX's error callback
+        (CI lost a run to it); ``close_blocking`` does nothing on a failed or closed endpoint and cancels what is
+        still posted on a live one. A closed ucxx endpoint has no UCP handle, and a request posted on it
+        dereferences that (SIGSEGV): the close takes the lock every post holds, and a post after it finds the
+        link closed."""
         with self.t.calls:
             self.closed = True
-            if self.ep.alive:
-                with contextlib.suppress(Exception):
-                    self.ep.close()
+            with contextlib.suppress(Exception):
+                self.ep.close_blocking()
