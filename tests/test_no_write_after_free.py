@@ -74,8 +74,10 @@ EXPIRED = ("DeadlineError", "LeaseExpiredError", "TimeoutError")
 def test_pull_ended_early_writes_nothing_after_free(consumer, producer, transport, ending):
     c, p = consumer, producer
     with Throttle(c) as slow:
-        # the slowed consumer may need a few seconds of a loaded machine to start the pull: the lease leaves room
-        p.start("offer", c.address, "big", N, fill=False, lease=4.0 if ending == "deadline" else 20.0)
+        # the slowed consumer may need seconds to start the pull, and a read stops at its lease's end: the lease
+        # leaves room (over ucx the first block is touched only once a whole 8 MiB window arrived; CI once saw a
+        # 4 s lease end before that, and the test found no bytes at all)
+        p.start("offer", c.address, "big", N, fill=False, lease=8.0 if ending == "deadline" else 20.0)
         ids = c.wait_bytes(N)
         if ending == "deadline":
             slow.stop_s = 1.0  # from its first byte the pull now takes many seconds: the lease runs out midway
