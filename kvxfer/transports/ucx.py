@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 HEADER_MAX = 1 << 20  # a header names at most ~256k block ids
 REPLY_MAX = 4096
+# ucxx closes an endpoint on its progress thread and waits for it: each wait this long (nanoseconds), this many
+# times. ucxx's default, 0, waits for ever and never signals the worker again: CI saw one close wait >100 s.
+CLOSE_WAIT_NS = 1_000_000_000
+CLOSE_ATTEMPTS = 3
 
 HEADER, READY, DONE, DATA = 1, 2, 3, 4  # message kinds, the low byte of a tag
 _LEN = 4  # bytes of a control message's length prefix
@@ -213,7 +217,7 @@ class UcxTransport(Transport):
         with contextlib.suppress(Exception):
             self.worker.stop_progress_thread()
         with contextlib.suppress(Exception):
-            self.worker.cancel_inflight_requests(period=0, max_attempts=1)
+            self.worker.cancel_inflight_requests(period=CLOSE_WAIT_NS, max_attempts=CLOSE_ATTEMPTS)
         # a request UCX has not reported ended may still be filled (a peer's rendezvous write): its buffer lives
         # as long as this transport, and with it its worker
         with self.calls:
@@ -472,10 +476,12 @@ class UcxLink(Link[UcxTransport]):
         """Close the endpoint, blocking. Not ``ep.close()``: on an endpoint that already failed with its peer it
         wraps a null request and crashes (SIGSEGV), and checking ``ep.alive`` first races UCX's error callback
         (CI lost a run to it); ``close_blocking`` does nothing on a failed or closed endpoint and cancels what is
-        still posted on a live one. A closed ucxx endpoint has no UCP handle, and a request posted on it
-        dereferences that (SIGSEGV): the close takes the lock every post holds, and a post after it finds the
-        link closed."""
+        still posted on a live one, bounded by ``CLOSE_WAIT_NS``. A closed ucxx endpoint has no UCP handle, and a
+        request posted on it dereferences that (SIGSEGV): the link is marked closed under the lock every post
+        holds, so no post runs from there on, and the close itself needs no lock."""
         with self.t.calls:
+            if self.closed:
+                return
             self.closed = True
-            with contextlib.suppress(Exception):
-                self.ep.close_blocking()
+        with contextlib.suppress(Exception):
+            self.ep.close_blocking(CLOSE_WAIT_NS, CLOSE_ATTEMPTS)
