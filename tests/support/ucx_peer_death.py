@@ -1,8 +1,8 @@
 """Links closed while their ucx peer dies, in a process of its own (a crash is an exit status, not a lost test
 run): ``python -m support.ucx_peer_death ROUNDS PEERS LINKS`` from tests/. Each round starts ``PEERS`` bare UCX
-workers in child processes and opens ``LINKS`` links to each; then, peer by peer, it kills the peer and closes
-its links while UCX runs the error callbacks for the dead endpoints. Prints ``closed N links`` and exits 0 when
-nothing crashed."""
+workers (the raw ucxx baseline's ``RawUcx``) in child processes and opens ``LINKS`` links to each; then, peer by
+peer, it kills the peer and closes its links while UCX runs the error callbacks for the dead endpoints. Prints
+``closed N links`` and exits 0 when nothing crashed."""
 
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from kvxfer.transports.base import Peer
 from kvxfer.transports.ucx import DATA, UcxTransport
 
 PEER = """
-import os, sys
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-import ucxx._lib.libucxx as ucx
-worker = ucx.UCXWorker(ucx.UCXContext(feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)))
-worker.start_progress_thread()
-sys.stdout.write(worker.address.tobytes().hex() + "\\n")
+import sys
+from kvxfer.bench.baselines import RawUcx
+raw = RawUcx()
+sys.stdout.write(raw.address().hex() + "\\n")
 sys.stdout.flush()
 sys.stdin.read()  # until the parent is gone
 """
