@@ -7,6 +7,7 @@ worker pool so ``push``, ``offer`` and ``hold`` return at once with a ``Transfer
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -150,6 +151,7 @@ class Producer(HandleBase):
         self.max_frame = max_frame
         self.leases = Leases()
         self._sessions: dict[str, _ProducerSession] = {}
+        self._locals = itertools.count(1)  # each session's Peer.local: its consumer's number is not unique here
         self._connecting: dict[str, threading.Lock] = {}
         self._fetchers: set[_ProducerSession] = set()  # sessions consumers opened to fetch
         self._holds: dict[str, Transfer] = {}
@@ -220,7 +222,9 @@ class Producer(HandleBase):
             reply, remote, paging = handshake.check_welcome(welcome, who, key, self.layout, list(self.transports))
             if address is None:
                 address = _data_address(reply.address, host)
-            peer = Peer(reply.session, address, remote, paging, reply.transport_meta, is_producer=True, key=key)
+            peer = Peer(
+                reply.session, address, remote, paging, reply.transport_meta, True, key=key, local=next(self._locals)
+            )
             ch.sock.settimeout(None)
             transport = self.transports[reply.transport]
             return _ProducerSession(self, address, ch, peer, transport, transport.connect(peer), challenge.peer_id)
@@ -256,7 +260,7 @@ class Producer(HandleBase):
         if not s.wait_quiet(QUIET_WAIT):
             log.warning("kvxfer: a move to %s still runs %gs after its session ended", s.address, QUIET_WAIT)
         s.ch.close()
-        s.transport.disconnect(s.peer.session)
+        s.transport.disconnect(s.peer.local)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -477,7 +481,7 @@ class Producer(HandleBase):
         seconds = max(0.0, t.deadline - time.monotonic())
         tokens = self._tokens(s, t)
         t.chunks = None if tokens is None else s.link.paging().chunks(tokens)
-        t._lease = self.leases.offer(s.peer.session, t.req, t.src_ids, seconds, time.monotonic(), t.chunks)
+        t._lease = self.leases.offer(s.peer.local, t.req, t.src_ids, seconds, time.monotonic(), t.chunks)
         t.gen = t._lease.gen
         s.transport.expect()
         s.send(
@@ -573,7 +577,7 @@ class Producer(HandleBase):
         ids = r.src_ids[msg.skip : msg.skip + n]
         seconds = max(0.0, r.deadline - now)
         r.chunks = None if tokens is None else paging.chunks(tokens)
-        r._lease = self.leases.offer(s.peer.session, r.req, ids, seconds, now, r.chunks)
+        r._lease = self.leases.offer(s.peer.local, r.req, ids, seconds, now, r.chunks)
         r.gen = r._lease.gen
         t._mark(Status.MOVING, "admitted")
         r._mark(Status.MOVING, "admitted")

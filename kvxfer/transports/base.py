@@ -31,7 +31,13 @@ def ucx_logs_to_stderr() -> None:
 
 @dataclass
 class Peer:
-    """What the handshake established about the other side."""
+    """What the handshake established about the other side.
+
+    ``session`` is the number the consumer gave the session in its Welcome: what data connections and tags
+    carry. ``local`` is this side's key for it (its links, leases, reads and writes): on a consumer its own
+    ``session``; on a producer a number of its own, because every consumer numbers its sessions from 1, so two
+    consumers' sessions (a TP decode's ranks fetching from one holder) carry the same one, and a peer could
+    name another's."""
 
     session: int
     address: str  # the consumer's listening address
@@ -40,6 +46,11 @@ class Peer:
     meta: bytes  # the peer's ``local_meta``
     is_producer: bool  # whether *this* side is the producer
     key: bytes = b""  # the session key both sides derived in the handshake (data connections prove it)
+    local: int = 0  # 0: ``session`` (sessions are numbered from 1)
+
+    def __post_init__(self) -> None:
+        if not self.local:
+            self.local = self.session
 
 
 class WriteHost(Protocol):
@@ -164,7 +175,8 @@ class Transport(ABC):
         sock.close()
 
     def disconnect(self, session: int) -> None:
-        """Forget a peer whose control session ended; a no-op for transports that keep no per-peer state."""
+        """Forget the peer whose control session ended (``session``: its ``Peer.local``); a no-op for transports
+        that keep no per-peer state."""
 
     def close(self) -> None:
         """Release the registered memory and every link; a no-op for transports that hold none."""

@@ -228,7 +228,7 @@ class NixlTransport(Transport):
         name = name.decode() if isinstance(name, bytes) else name
         link = NixlLink(self, peer, name)
         with self.lock:
-            self.links[peer.session] = link
+            self.links[peer.local] = link
             self.by_agent[name] = link
         return link
 
@@ -278,7 +278,7 @@ class NixlTransport(Transport):
                     except msgspec.MsgspecError:
                         continue
                     if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
-                        cast(WriteHost, self.host).landed(link.peer.session, req, gen, nbytes)  # a consumer's host
+                        cast(WriteHost, self.host).landed(link.peer.local, req, gen, nbytes)  # a consumer's host
             now = time.monotonic()
             if got:  # more may follow: stay fast (no self-wake: this sleep is already the short one)
                 self._stay_fast(now)

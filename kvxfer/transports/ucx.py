@@ -195,7 +195,7 @@ class UcxTransport(Transport):
                 ep = ucx.UCXEndpoint.create_from_worker_address(self.worker, address, True)
             except Exception as e:
                 raise TransportError(f"opening a UCX endpoint to the peer: {e}") from None
-            link = self.links[peer.session] = UcxLink(self, peer, ep, lid)
+            link = self.links[peer.local] = UcxLink(self, peer, ep, lid)
         link.start()
         return link
 
@@ -403,7 +403,7 @@ class UcxLink(Link[UcxTransport]):
         None once a refusal answered the header."""
         try:
             ids = wire.ids_from_bytes(head.ids, self.t.layout.num_blocks)
-            return ids, begin(self.peer.session, head.req, head.gen, ids)
+            return ids, begin(self.peer.local, head.req, head.gen, ids)
         except KVXferError as e:
             self._refusal(head.seq, READY, e)
             return None

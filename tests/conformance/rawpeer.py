@@ -59,15 +59,16 @@ class RawPeer:
         self.send(proof)
         return self.recv()
 
-    def welcome(self, layout, address: str, transport: str = "tcp") -> None:
+    def welcome(self, layout, address: str, transport: str = "tcp", session: int = 7) -> None:
         """A fetching consumer's half of the handshake, by hand, on a connection to a listening producer (which
-        speaks first): its ``Welcome`` names ``address`` as where the producer's data connections go."""
+        speaks first): its ``Welcome`` names ``address`` as where the producer's data connections go, and
+        ``session`` as the session's number."""
         hello = handshake.check_hello(self.recv())
         challenge, nonce = handshake.challenge(hello, "raw", "")
         self.send(challenge)
         *_, self.key = handshake.check_proof(self.recv(), "", hello.nonce, nonce, layout, [transport])
         self.transport = transports.get(transport)(layout, host=None)
-        self.send(handshake.welcome(7, layout, transport, self.transport.local_meta(), self.key, address))
+        self.send(handshake.welcome(session, layout, transport, self.transport.local_meta(), self.key, address))
 
     def close(self) -> None:
         self.ch.close()

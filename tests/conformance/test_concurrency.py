@@ -1,6 +1,7 @@
 """Several producer processes and many requests in flight into one consumer: every byte still right."""
 
 import threading
+import time
 
 import numpy as np
 
@@ -78,3 +79,32 @@ def test_many_requests_in_flight_from_threads(consumers, transport):
         wait_for(lambda: consumer.stats()["free_blocks"] == SPEC.num_blocks, 5)
     finally:
         producer.close()
+
+
+def test_a_consumer_leaving_takes_no_other_consumers_link(consumers, producers):
+    """Consumers number their sessions each from 1, so one producer's sessions to two consumers carry the same
+    number. The first consumer closing must end its own session's link only: the other's transfers, over the data
+    path (nothing inline), go on (a producer that kept links by that number closed the wrong one)."""
+    spec = Spec(kind="nhd", num_blocks=64, layers=2, heads=2, block_size=4, head_dim=16)
+    first, second = consumers(spec), consumers(spec)
+    p = producers(spec, seed=4, inline_max=0)
+    rng = np.random.default_rng(3)
+    sources = spec.build(seed=4)[2]
+
+    def moved(c, req, kind):
+        ids = rng.permutation(spec.num_blocks)[:6]
+        getattr(p, kind)(c.address, req, ids)  # raises (RemoteError) when it failed
+        a = c.get(10)
+        assert a.req == req
+        for s, d in zip(block_bytes(sources, ids), block_bytes(c.views, a.block_ids), strict=True):
+            np.testing.assert_array_equal(s, d)
+        assert c.release(req)
+
+    moved(first, "first-0", "push")
+    moved(second, "second-0", "push")  # the second session, numbered as the first was
+    first.c.close()
+    time.sleep(0.5)  # the producer sees the first session end
+    for i in range(3):
+        moved(second, f"second-push-{i}", "push")
+        moved(second, f"second-pull-{i}", "offer")
+    assert second.stats()["free_blocks"] == spec.num_blocks

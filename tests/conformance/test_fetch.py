@@ -280,3 +280,30 @@ def test_a_fetch_queued_behind_a_hung_handshake_ends_at_its_own_deadline(consume
         assert isinstance(slow.exception(6.0), (DeadlineError, PeerError))
     finally:
         silent.close()
+
+
+def test_a_fetcher_leaving_takes_no_other_fetchers_link(consumers, producers):
+    """Two decode ranks fetching from one holder: each rank's consumer numbers its session 1. The first rank's
+    consumer closing ends its own session's link only; the second's next fetches, over the data path, land whole
+    (CI, 2026-12-07: a TP-2 decode's fetch failed with "connection closed by peer" once another consumer of the
+    same holder went away)."""
+    spec = Spec(kind="nhd", num_blocks=64)
+    first, second = _fetcher(consumers, spec), _fetcher(consumers, spec)
+    p = producers(spec, seed=9, inline_max=0, **LISTEN)
+    rng = np.random.default_rng(8)
+    written: dict = {id(first): [], id(second): []}
+
+    def fetched(c, req):
+        src, dst = pick("permuted", 6, spec.num_blocks, rng), pick("permuted", 6, spec.num_blocks, rng)
+        ticket = p.keep(req, src, lease=20)
+        c.fetch(ticket["address"], req, dst, deadline=10).result(10)
+        written[id(c)].extend(dst.tolist())
+        _same(c, spec, 9, src, dst, written=np.array(written[id(c)]))
+
+    fetched(first, "first")
+    fetched(second, "second-0")
+    first.c.close()
+    time.sleep(0.5)  # the holder sees the first session end
+    for i in range(1, 4):
+        fetched(second, f"second-{i}")
+    assert second.stats()["inflight"] == second.stats()["dying"] == 0

@@ -73,7 +73,7 @@ class TcpTransport(Transport):
     def connect(self, peer: Peer) -> TcpLink:
         link = TcpLink(self, peer)
         with self._lock:
-            self.links[peer.session] = link
+            self.links[peer.local] = link
         if peer.is_producer:
             for _ in range(self.streams):
                 link.open_pull()
@@ -81,7 +81,7 @@ class TcpTransport(Transport):
 
     def accept_data(self, sock: socket.socket, hello: wire.DataHello) -> None:
         with self._lock:
-            link = self.links.get(hello.session)
+            link = self.links.get(hello.session)  # a consumer's: its own number
         if link is None or link.closed:
             sock.close()
             return

@@ -171,7 +171,7 @@ class TcpLink(Link["TcpTransport"]):
                 try:
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
                     span = (msg.offset, msg.offset + msg.length)  # each byte of the stream is received once
-                    ticket = host.begin_write(self.peer.session, msg.req, msg.gen, ids, span)
+                    ticket = host.begin_write(self.peer.local, msg.req, msg.gen, ids, span)
                 except KVXferError as e:
                     _drain(sock, msg.length)  # the refused bytes never touch registered memory
                     ch.send(wire.DataReply(req=msg.req, ok=False, code=e.code, message=str(e)))
@@ -239,7 +239,7 @@ class TcpLink(Link["TcpTransport"]):
                     raise ProtocolError(f"unexpected {type(msg).__name__} on a pull connection")
                 try:
                     ids = wire.ids_from_bytes(msg.ids, self.t.layout.num_blocks)
-                    ticket = host.begin_read(self.peer.session, msg.req, msg.gen, ids)
+                    ticket = host.begin_read(self.peer.local, msg.req, msg.gen, ids)
                     served = True  # a consumer is there: what happens to this read is no reason to dial less
                     try:
                         window = windows.checked(self._ticket_extents(ticket, ids), msg.offset, msg.length)
