@@ -63,6 +63,7 @@ def _producer_main(conn, spec: Spec, transport: str, seed: int, options: dict) -
                 "keep": keep,
                 "ended": ended,
                 "leases": lambda: len(producer.leases.active),
+                "sessions": lambda: len(producer._sessions) + len(producer._fetchers),  # live: the dialed, the fetching
             },
         )
     finally:

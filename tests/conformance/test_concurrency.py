@@ -1,7 +1,6 @@
 """Several producer processes and many requests in flight into one consumer: every byte still right."""
 
 import threading
-import time
 
 import numpy as np
 
@@ -102,8 +101,9 @@ def test_a_consumer_leaving_takes_no_other_consumers_link(consumers, producers):
 
     moved(first, "first-0", "push")
     moved(second, "second-0", "push")  # the second session, numbered as the first was
+    assert p.call("sessions") == 2
     first.c.close()
-    time.sleep(0.5)  # the producer sees the first session end
+    assert wait_for(lambda: p.call("sessions") == 1, 10)  # the producer saw the first session end
     for i in range(3):
         moved(second, f"second-push-{i}", "push")
         moved(second, f"second-pull-{i}", "offer")

@@ -302,8 +302,9 @@ def test_a_fetcher_leaving_takes_no_other_fetchers_link(consumers, producers):
 
     fetched(first, "first")
     fetched(second, "second-0")
+    assert p.call("sessions") == 2
     first.c.close()
-    time.sleep(0.5)  # the holder sees the first session end
+    assert wait_for(lambda: p.call("sessions") == 1, 10)  # the holder saw the first session end
     for i in range(1, 4):
         fetched(second, f"second-{i}")
     assert second.stats()["inflight"] == second.stats()["dying"] == 0
