@@ -203,7 +203,9 @@ class NixlTransport(Transport):
         except Exception as e:
             raise _error(e, "registering KV memory with NIXL") from None
         self.links: dict[int, NixlLink] = {}
-        self.by_agent: dict[str, NixlLink] = {}
+        # a remote agent's links: one per session, and one agent can have several (one producer reaching this
+        # consumer at two addresses, a session redialed before the old one's end was heard)
+        self.by_agent: dict[str, list[NixlLink]] = {}
         self.closed = False
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="kvxfer-nixl-poll")
         self._poller.start()
@@ -229,7 +231,7 @@ class NixlTransport(Transport):
         link = NixlLink(self, peer, name)
         with self.lock:
             self.links[peer.local] = link
-            self.by_agent[name] = link
+            self.by_agent[name] = [*self.by_agent.get(name, ()), link]  # a new list: the poller reads it unlocked
         return link
 
     def expect(self) -> None:
@@ -244,9 +246,11 @@ class NixlTransport(Transport):
             link = self.links.pop(session, None)
             if link is None:
                 return
-            self.by_agent.pop(link.remote, None)
             link.closed = True
-            if link.remote not in {x.remote for x in self.links.values()}:
+            others = [x for x in self.by_agent.pop(link.remote, []) if x is not link]
+            if others:
+                self.by_agent[link.remote] = others
+            else:
                 with contextlib.suppress(Exception):  # a dead peer may already be gone
                     self._live_agent().remove_remote_agent(link.remote)
 
@@ -270,15 +274,16 @@ class NixlTransport(Transport):
                     self.lock.release()
             got = False
             for agent_name, msgs in notifs.items():
-                link = self.by_agent.get(agent_name.decode() if isinstance(agent_name, bytes) else agent_name)
+                links = self.by_agent.get(agent_name.decode() if isinstance(agent_name, bytes) else agent_name, ())
                 for m in msgs:
                     got = True
                     try:
                         req, gen, nbytes = _NOTIF_DECODER.decode(m)
                     except msgspec.MsgspecError:
                         continue
-                    if link is not None and not link.peer.is_producer:  # only a consumer's blocks land
-                        cast(WriteHost, self.host).landed(link.peer.local, req, gen, nbytes)  # a consumer's host
+                    for link in links:  # the session the request was granted on counts it; the others refuse it
+                        if not link.peer.is_producer:  # only a consumer's blocks land
+                            cast(WriteHost, self.host).landed(link.peer.local, req, gen, nbytes)
             now = time.monotonic()
             if got:  # more may follow: stay fast (no self-wake: this sleep is already the short one)
                 self._stay_fast(now)

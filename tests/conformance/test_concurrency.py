@@ -108,3 +108,27 @@ def test_a_consumer_leaving_takes_no_other_consumers_link(consumers, producers):
         moved(second, f"second-push-{i}", "push")
         moved(second, f"second-pull-{i}", "offer")
     assert second.stats()["free_blocks"] == spec.num_blocks
+
+
+def test_one_producer_at_two_addresses_of_a_consumer_moves_on_both_sessions(consumers, producers):
+    """A producer that reaches one consumer by two addresses (an IP and a name for it) has two sessions with it,
+    over one pair of transport endpoints. Requests on each, alternating, all land (over nixl the notifications
+    of the first session's writes were counted for the second: its pushes failed at their deadline)."""
+    spec = Spec(kind="nhd", num_blocks=64, layers=2, heads=2, block_size=4, head_dim=16)
+    c = consumers(spec, deadline=5.0)
+    p = producers(spec, seed=6, inline_max=0)
+    port = c.address.rsplit(":", 1)[1]
+    rng = np.random.default_rng(4)
+    sources = spec.build(seed=6)[2]
+    for i in range(6):
+        address = f"127.0.0.1:{port}" if i % 2 == 0 else f"localhost:{port}"
+        ids = rng.permutation(spec.num_blocks)[:6]
+        req = f"two-{i}"
+        (p.push if i % 3 else p.offer)(address, req, ids)
+        a = c.get(10)
+        assert a.req == req
+        for s, d in zip(block_bytes(sources, ids), block_bytes(c.views, a.block_ids), strict=True):
+            np.testing.assert_array_equal(s, d)
+        assert c.release(req)
+    assert p.call("sessions") == 2
+    assert c.stats()["free_blocks"] == spec.num_blocks
