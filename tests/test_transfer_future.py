@@ -58,7 +58,8 @@ def test_busy_retries_end_at_the_deadline(pair):
     t = p.push(c.address, "late", [2, 3], retry_busy=True, deadline=0.5)
     with pytest.raises(DeadlineError, match="stayed busy"):
         t.wait(5)
-    assert 0.45 < time.monotonic() - start < 1.5
+    # ends at its deadline, not at the 5 s wait (CI beside the e2e servers once took 1.77 s)
+    assert 0.45 < time.monotonic() - start < 2.5
     c.release(c.get(5).req)
 
 
@@ -68,7 +69,8 @@ def test_push_returns_at_once_while_the_consumer_never_answers(transport):
     with Producer(src, transport=transport, connect_timeout=0.5) as p:
         start = time.monotonic()
         t = p.push(f"127.0.0.1:{silent.getsockname()[1]}", "r", [1])
-        assert time.monotonic() - start < 0.1
+        # returns before the 0.5 s handshake could end (CI beside the e2e servers once took 0.15 s)
+        assert time.monotonic() - start < 0.3
         with pytest.raises(DeadlineError):
             t.wait(5)
     silent.close()
