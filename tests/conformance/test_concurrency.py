@@ -80,6 +80,17 @@ def test_many_requests_in_flight_from_threads(consumers, transport):
         producer.close()
 
 
+def _lands(send, c, address, req, ids, sources) -> None:
+    """``send`` (a producer process's push or offer) moves blocks ``ids`` to consumer ``c`` at ``address``: the
+    arrival holds the source's bytes, and its blocks go back."""
+    send(address, req, ids)  # raises (RemoteError) when it failed
+    a = c.get(10)
+    assert a.req == req
+    for s, d in zip(block_bytes(sources, ids), block_bytes(c.views, a.block_ids), strict=True):
+        np.testing.assert_array_equal(s, d)
+    assert c.release(req)
+
+
 def test_a_consumer_leaving_takes_no_other_consumers_link(consumers, producers):
     """Consumers number their sessions each from 1, so one producer's sessions to two consumers carry the same
     number. The first consumer closing must end its own session's link only: the other's transfers, over the data
@@ -91,13 +102,7 @@ def test_a_consumer_leaving_takes_no_other_consumers_link(consumers, producers):
     sources = spec.build(seed=4)[2]
 
     def moved(c, req, kind):
-        ids = rng.permutation(spec.num_blocks)[:6]
-        getattr(p, kind)(c.address, req, ids)  # raises (RemoteError) when it failed
-        a = c.get(10)
-        assert a.req == req
-        for s, d in zip(block_bytes(sources, ids), block_bytes(c.views, a.block_ids), strict=True):
-            np.testing.assert_array_equal(s, d)
-        assert c.release(req)
+        _lands(p.push if kind == "push" else p.offer, c, c.address, req, rng.permutation(spec.num_blocks)[:6], sources)
 
     moved(first, "first-0", "push")
     moved(second, "second-0", "push")  # the second session, numbered as the first was
@@ -122,13 +127,6 @@ def test_one_producer_at_two_addresses_of_a_consumer_moves_on_both_sessions(cons
     sources = spec.build(seed=6)[2]
     for i in range(6):
         address = f"127.0.0.1:{port}" if i % 2 == 0 else f"localhost:{port}"
-        ids = rng.permutation(spec.num_blocks)[:6]
-        req = f"two-{i}"
-        (p.push if i % 3 else p.offer)(address, req, ids)
-        a = c.get(10)
-        assert a.req == req
-        for s, d in zip(block_bytes(sources, ids), block_bytes(c.views, a.block_ids), strict=True):
-            np.testing.assert_array_equal(s, d)
-        assert c.release(req)
+        _lands(p.push if i % 3 else p.offer, c, address, f"two-{i}", rng.permutation(spec.num_blocks)[:6], sources)
     assert p.call("sessions") == 2
     assert c.stats()["free_blocks"] == spec.num_blocks
