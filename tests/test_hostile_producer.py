@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -75,12 +76,16 @@ def test_a_fetch_the_producer_confirms_late_but_within_the_verdict_wait_succeeds
         data = b"\x01" * (2 * layout.block_bytes)
         ch.send(wire.Offer(req=fetch.req, gen=5, ids=wire.ids_to_bytes([0, 1]), lease_ms=60_000, data=data))
         assert isinstance(ch.recv(10), wire.Released)
-        threading.Event().wait(2.5)  # past the fetch's deadline and a second, within VERDICT_WAIT
+        # past the fetch's deadline by a second, within VERDICT_WAIT, however long a loaded machine took to get here
+        threading.Event().wait(max(0.0, ack_at[0] - time.monotonic()))
         ch.send(wire.Ack(req=fetch.req, gen=5))
 
+    deadline = 2.0  # room for the Offer and its Released to cross before it, on a loaded machine too
+    ack_at = []
     thread = _serve_one(server, layout, script)
     with Consumer(layout, transport="tcp") as c:
-        f = c.fetch(f"127.0.0.1:{server.getsockname()[1]}", "late", [5, 6], deadline=1)
+        ack_at.append(time.monotonic() + deadline + 1.0)
+        f = c.fetch(f"127.0.0.1:{server.getsockname()[1]}", "late", [5, 6], deadline=deadline)
         f.wait(30)
         assert f.error is None
         thread.join(10)

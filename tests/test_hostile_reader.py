@@ -45,7 +45,8 @@ def test_a_read_past_the_lease_never_sends_the_blocks_new_contents():
     layout = KVLayout.from_tensors(caches, dims="BKNHD")
     producer = Producer(layout, transport="tcp", listen="127.0.0.1:0", transport_options={"streams": 1})
     try:
-        held = producer.hold("A", list(range(blocks)), lease=1.0)
+        # the lease leaves a loaded machine room to set up the read before it ends (CI once took longer than 1 s)
+        held = producer.hold("A", list(range(blocks)), lease=3.0)
         peer, data, offer, ch = _fetching_reader(producer, layout, blocks)
         total = blocks * layout.block_bytes
         ch.send(wire.ReadData(req="A", gen=offer.gen, ids=offer.ids, offset=0, length=total))

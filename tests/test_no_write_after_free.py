@@ -77,10 +77,17 @@ def test_pull_ended_early_writes_nothing_after_free(consumer, producer, transpor
         # the slowed consumer may need seconds to start the pull, and a read stops at its lease's end: the lease
         # leaves room (over ucx the first block is touched only once a whole 8 MiB window arrived; CI once saw a
         # 4 s lease end before that, and the test found no bytes at all)
-        p.start("offer", c.address, "big", N, fill=False, lease=8.0 if ending == "deadline" else 20.0)
+        lease = 8.0 if ending == "deadline" else 20.0
+        lease_end = time.monotonic() + lease
+        p.start("offer", c.address, "big", N, fill=False, lease=lease)
         ids = c.wait_bytes(N)
         if ending == "deadline":
-            slow.stop_s = 1.0  # from its first byte the pull now takes many seconds: the lease runs out midway
+            # from its first bytes the consumer stays stopped until the lease ran out midway; slowing it further
+            # was not enough: on a loaded machine the throttle's 1 ms running slices overshoot, and CI saw the pull
+            # whole before the lease's end. What lands after the stop is bounded by the socket buffers (a few MiB)
+            slow.freeze()
+            time.sleep(max(0.0, lease_end + 0.5 - time.monotonic()))
+            c.cont()
         elif ending == "producer_cancel":
             cancelled = p.cancel("big")
         elif ending == "producer_close":
