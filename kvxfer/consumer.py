@@ -368,9 +368,14 @@ class Consumer(HandleBase):
         challenge, nonce = handshake.challenge(hello, self.peer_id, self.auth)
         ch.send(challenge)
         proof = ch.recv(remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
-        remote, paging, name, meta, key = handshake.check_proof(
-            proof, self.auth, hello.nonce, nonce, self.layout, list(self.transports)
-        )
+        try:
+            remote, paging, name, meta, key = handshake.check_proof(
+                proof, self.auth, hello.nonce, nonce, self.layout, list(self.transports)
+            )
+        except IncompatibleError:  # proved, but it does not pair: the request it was for fails now
+            if isinstance(proof, wire.Proof) and proof.req:
+                self.grants.refused(proof.req, time.monotonic())
+            raise
         peer = Peer(next(self._sids), self.address, remote, paging, meta, is_producer=False, key=key)
         s = _ConsumerSession(ch, hello.peer_id, peer, self.transports[name])
         with self._lock:

@@ -3,7 +3,8 @@ layout agreement. Plain functions over wire messages (sans-IO); ``producer`` and
 
     producer -> Hello(version, peer_id, nonce_p)
     consumer -> Challenge(version, peer_id, nonce_c, proof_c = HMAC(token, "consumer" | nonce_p | nonce_c | id_c))
-    producer -> Proof(proof_p = HMAC(token, "producer" | nonce_p | nonce_c | layout | transports), layout, transports)
+    producer -> Proof(proof_p = HMAC(token, "producer" | nonce_p | nonce_c | layout | transports [| req]), layout,
+                      transports, req)
     consumer -> Welcome(session, layout, transport, meta, address,
                         mac = HMAC(key, "welcome" | session | layout | transport | meta | address))
 
@@ -93,10 +94,10 @@ def hello(peer_id: str) -> tuple[wire.Hello, bytes]:
 
 
 def answer(
-    msg, address: str, token: str, nonce_p: bytes, layout: KVLayout, offers: list[tuple[str, bytes]]
+    msg, address: str, token: str, nonce_p: bytes, layout: KVLayout, offers: list[tuple[str, bytes]], req: str = ""
 ) -> tuple[wire.Proof, bytes]:
-    """Producer: check the consumer's ``Challenge``; returns our ``Proof`` (layout and transport offers) and the
-    session key."""
+    """Producer: check the consumer's ``Challenge``; returns our ``Proof`` (layout and transport offers, and the
+    request ``req`` the session is opened for, if any) and the session key."""
     if isinstance(msg, wire.Error):
         raise from_code(msg.code, f"consumer {address} refused the handshake: {msg.message}")
     if not isinstance(msg, wire.Challenge):
@@ -107,8 +108,13 @@ def answer(
     if not hmac.compare_digest(expected, msg.proof):
         raise AuthError(f"consumer {address} could not prove the auth token")
     desc = layout.desc()
-    proof = _mac(_token(token), b"kvxfer-producer", nonce_p, msg.nonce, _enc.encode(desc), _enc.encode(offers))
-    return wire.Proof(proof=proof, layout=desc, transports=offers), session_key(token, nonce_p, msg.nonce)
+    proof = _mac(_token(token), b"kvxfer-producer", nonce_p, msg.nonce, *_proved(desc, offers, req))
+    return wire.Proof(proof=proof, layout=desc, transports=offers, req=req), session_key(token, nonce_p, msg.nonce)
+
+
+def _proved(desc: wire.LayoutDesc, offers: list, req: str) -> tuple[bytes, ...]:
+    """What the producer's proof covers; a request named is one part more (a Proof naming none hashes as before)."""
+    return (_enc.encode(desc), _enc.encode(offers), *((req.encode(),) if req else ()))
 
 
 def check_welcome(
@@ -154,9 +160,7 @@ def check_proof(
         raise from_code(msg.code, f"producer refused the handshake: {msg.message}")
     if not isinstance(msg, wire.Proof):
         raise ProtocolError(f"expected proof, got {type(msg).__name__}")
-    expected = _mac(
-        _token(token), b"kvxfer-producer", nonce_p, nonce_c, _enc.encode(msg.layout), _enc.encode(msg.transports)
-    )
+    expected = _mac(_token(token), b"kvxfer-producer", nonce_p, nonce_c, *_proved(msg.layout, msg.transports, msg.req))
     if not hmac.compare_digest(expected, msg.proof):
         raise AuthError("bad auth token")
     chosen = next(((name, meta) for name, meta in msg.transports if name in have), None)

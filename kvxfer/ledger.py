@@ -40,6 +40,7 @@ _generations = itertools.count(1)
 
 # seconds a pull whose Released went out waits past its deadline for the producer's Ack or Error
 VERDICT_WAIT = 5.0
+MAX_REFUSED, MAX_REFUSED_NAME = 4096, 1024  # the tombstones refused handshakes may leave, and their names' length
 
 
 class State(enum.Enum):
@@ -657,6 +658,19 @@ class Grants:
     @_locked
     def counts(self) -> dict[str, int]:
         return {"inflight": len(self.active), "handed": len(self.handed), "dying": len(self.dying)}
+
+    @_locked
+    def refused(self, req: str, now: float) -> None:
+        """A producer's session opened for ``req`` was refused at its handshake (layouts or transports that do not
+        pair): ``req`` fails now, for its waiters and for any Admit of it, rather than never being admitted. Only
+        a proved producer names one, and the names it leaves are bounded in number and length."""
+        if (
+            req not in self.active
+            and req not in self.handed
+            and len(req) <= MAX_REFUSED_NAME
+            and len(self.tombstones) < MAX_REFUSED
+        ):
+            self.tombstones[req] = now + self.tombstone_ttl
 
     @_locked
     def phase(self, req: str) -> str | None:

@@ -164,7 +164,8 @@ class Producer(HandleBase):
         self._reaper.start()
 
     # ---- sessions ---------------------------------------------------------------------------------------
-    def _session(self, address: str, deadline: float) -> _ProducerSession:
+    def _session(self, address: str, deadline: float, req: str = "") -> _ProducerSession:
+        """The live session to ``address``, or a new one, whose handshake names ``req`` (the request it is for)."""
         with self._lock:
             s = self._sessions.get(address)
             if s is not None and s.alive:
@@ -176,7 +177,7 @@ class Producer(HandleBase):
                 s = self._sessions.get(address)
                 if s is not None and s.alive:
                     return s
-            s = self._handshake(address, min(self.connect_timeout, max(0.05, deadline - time.monotonic())))
+            s = self._handshake(address, min(self.connect_timeout, max(0.05, deadline - time.monotonic())), req)
             with self._lock:
                 closed = self.closed
                 if not closed:
@@ -187,7 +188,7 @@ class Producer(HandleBase):
             s.thread.start()
             return s
 
-    def _handshake(self, address: str, timeout: float) -> _ProducerSession:
+    def _handshake(self, address: str, timeout: float, req: str = "") -> _ProducerSession:
         """Dial ``address`` and shake hands; ``close()`` shuts the connection down under a handshake still
         waiting for its peer, so that no worker outlives the close by a handshake timeout."""
         parse_address(address)
@@ -198,7 +199,7 @@ class Producer(HandleBase):
                 raise ClosedError("producer closed")
             self._dialing.add(ch)
         try:
-            return self._shake(ch, address, timeout)
+            return self._shake(ch, address, timeout, req=req)
         except KVXferError:
             if self.closed:
                 raise ClosedError("producer closed") from None
@@ -207,9 +208,11 @@ class Producer(HandleBase):
             with self._lock:
                 self._dialing.discard(ch)
 
-    def _shake(self, ch: Channel, address: str | None, timeout: float, host: str = "") -> _ProducerSession:
-        """The producer's half of the handshake on ``ch``: one we dialed to ``address``, or (``None``) one a
-        fetching consumer opened from ``host``, whose Welcome says where its data connections go."""
+    def _shake(
+        self, ch: Channel, address: str | None, timeout: float, host: str = "", req: str = ""
+    ) -> _ProducerSession:
+        """The producer's half of the handshake on ``ch``: one we dialed to ``address`` for request ``req``, or
+        (``None``) one a fetching consumer opened from ``host``, whose Welcome says where its data connections go."""
         accepted = address is None
         try:
             end = time.monotonic() + timeout
@@ -217,7 +220,7 @@ class Producer(HandleBase):
             offers = [(name, t.local_meta()) for name, t in self.transports.items()]
             who = address or host
             challenge = ch.request(opening, timeout, max_frame=wire.MAX_HANDSHAKE_FRAME)
-            proof, key = handshake.answer(challenge, who, self.auth, nonce, self.layout, offers)
+            proof, key = handshake.answer(challenge, who, self.auth, nonce, self.layout, offers, req)
             welcome = ch.request(proof, remaining(end), max_frame=wire.MAX_HANDSHAKE_FRAME)
             reply, remote, paging = handshake.check_welcome(welcome, who, key, self.layout, list(self.transports))
             if address is None:
@@ -311,7 +314,7 @@ class Producer(HandleBase):
         return t.tokens or len(t.src_ids) * paging.src_block
 
     def _enroll(self, t: Transfer) -> _ProducerSession:
-        s = self._session(t.address, t.deadline)
+        s = self._session(t.address, t.deadline, t.req)
         with self._lock:
             self._launching.discard(t)
             if t.done():  # the reaper ended it (its deadline) while it waited for the session

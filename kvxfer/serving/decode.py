@@ -14,9 +14,10 @@ HTTP API (Starlette, served by uvicorn); with a token (``--token`` or ``KVXFER_D
   POST /v1/reserve         {"tokens": n} -> 200, or 429 + Retry-After when it could not take n tokens now
   POST /v1/generate        {"req", "first_token", "max_tokens", "stream", "timeout", "admit_timeout"} -> SSE of
                            {"index", "token_id", "text"} events, then {"done": true, "kv": {...}};
-                           502 when the transfer failed after admission, 504 when it was not admitted within
-                           ``admit_timeout`` seconds (refused, or its producer never reached us) or did not
-                           arrive within ``timeout``: the caller learns at once, not after ``timeout``
+                           502 when the transfer failed after admission or its producer's handshake was refused
+                           (the producer names the request it opens a session for), 504 when it was not admitted
+                           within ``admit_timeout`` seconds (refused, or its producer never reached us) or did
+                           not arrive within ``timeout``: the caller learns at once, not after ``timeout``
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ class DecodeEndpoint:
                 self.svc.release(r)
 
     def claim(self, req: str, timeout: float, admit_timeout: float | None = None) -> Handoff:
-        """Wait for ``req``'s KV. ``PeerError`` as soon as its transfer fails here after admission;
+        """Wait for ``req``'s KV. ``PeerError`` as soon as its transfer fails here after admission or its
+        producer's handshake is refused;
         ``TimeoutError`` if it is not admitted within ``admit_timeout`` (refused, or no producer reached us) or
         has not arrived within ``timeout``. A request given up on is cancelled and released if it lands later."""
         now = time.monotonic()
@@ -122,8 +124,8 @@ class DecodeEndpoint:
                 seen = seen or state is not None
                 if state == "failed" or gone >= 2:  # twice: a slot moving between states reads None once
                     error: KVXferError = PeerError(
-                        f"the KV transfer of request {req!r} failed here (cancelled, "
-                        "past its deadline, corrupt, or its producer went away)"
+                        f"the KV transfer of request {req!r} failed here (cancelled, past its deadline, corrupt, "
+                        "its producer went away, or this endpoint refused its producer's handshake)"
                     )
                 elif not seen and admit_by is not None and now >= admit_by:
                     error = TimeoutError(

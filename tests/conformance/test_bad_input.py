@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvxfer import wire
+from kvxfer import handshake, wire
 
 from .conftest import SENTINEL
 from .kvspec import Spec, untouched
@@ -49,6 +49,38 @@ def test_incompatible_layouts_are_refused(consumers, producers, other):
         producer.push(consumer.address, "x", [1])
     assert e.value.kind == "IncompatibleError"
     assert untouched(consumer.views, [], SENTINEL)
+    # the request the refused session was for has failed here, so that its waiter need not time out
+    assert consumer.c.state("x") == "failed" and consumer.c.state("y") is None
+
+
+def test_a_request_named_by_a_refused_session_fails_and_stays_failed(consumers, producers):
+    """A refused session's request is over on the consumer: a compatible producer admitting it later is refused
+    too, and a request nobody named is not touched."""
+    consumer = consumers(Spec())
+    with pytest.raises(PeerError):
+        producers(Spec(dtype="float32")).push(consumer.address, "x", [1])
+    good = producers()
+    with pytest.raises(PeerError) as e:
+        good.push(consumer.address, "x", [1])
+    assert e.value.kind == "CancelledError"
+    assert consumer.stats()["free_blocks"] == consumer.spec.num_blocks
+    _alive(consumer, good)
+
+
+def test_an_unproved_handshake_naming_a_request_fails_nothing(consumers, producers, transport):
+    """Only a producer that proved the token can fail a request by naming it: a Proof with a made-up MAC (and a
+    layout that does not pair) is refused as bad auth, and the request it names still goes through."""
+    consumer = consumers()
+    other = Spec(dtype="float32")
+    raw = RawPeer(consumer.address)
+    layout = other.layout(*other.build(fill=0)[:2])
+    raw.send(handshake.hello("raw")[0])
+    assert isinstance(raw.recv(), wire.Challenge)
+    raw.send(wire.Proof(proof=bytes(32), layout=layout.desc(), transports=[(transport, b"")], req="victim"))
+    reply = raw.recv()
+    assert isinstance(reply, wire.Error) and reply.code == "auth", reply
+    assert consumer.c.state("victim") is None
+    _alive(consumer, producers(), req="victim")
 
 
 def test_wrong_protocol_version(consumers, producers, transport):

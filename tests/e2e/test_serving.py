@@ -279,6 +279,8 @@ def test_failed_transfer_is_answered_within_2s(vllm_server, logs, refusal, mode)
             if mode == "error":
                 assert r.status_code == 502, r.text
                 assert r.json()["error"]["type"] == "kv_transfer_error"
+                if refusal == "refused_by_the_decode_endpoint":  # learnt from the refused handshake, no timeout
+                    assert "answered 502" in r.json()["error"]["message"], r.text
             else:  # the regular pool answered: a plain vLLM completion, nothing of kvxfer in it
                 assert r.status_code == 200, r.text
                 if stream:
