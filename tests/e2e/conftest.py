@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -105,9 +106,36 @@ def _require(ok: bool, why: str) -> None:
         pytest.skip(why)
 
 
+LOGS: list[Path] = []  # the session's log folder, once made: a failed test's report quotes the logs it wrote
+NOTABLE = re.compile(r"kvxfer|error|exception|traceback|warning", re.IGNORECASE)
+_STARTED = pytest.StashKey[float]()
+
+
 @pytest.fixture(scope="session")
 def logs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("e2e-logs")
+    LOGS.append(tmp_path_factory.mktemp("e2e-logs"))
+    return LOGS[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed end-to-end test says what its servers said meanwhile: the notable lines of every log written
+    since the test began (a CI run keeps only its console output, and the logs go with its machine)."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "setup":
+        item.stash[_STARTED] = call.start
+    if not (report.failed and LOGS and item.path.is_relative_to(Path(__file__).parent)):
+        return
+    since = item.stash.get(_STARTED, call.start) - 1
+    for log in sorted(LOGS[0].glob("*.log")):
+        if log.stat().st_mtime < since:
+            continue
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if NOTABLE.search(ln)]
+        if lines:
+            report.sections.append(
+                (f"log {log.name} (notable lines, last 25)", "\n".join(ln[:400] for ln in lines[-25:]))
+            )
 
 
 @pytest.fixture(scope="session")
