@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 REDIAL_WAIT = 0.025  # a broken pull connection is dialled again after this, doubled for each idle one before
 REDIALS = 8  # idle pull connections in a row after which a link stops dialling them
+STALE_ASKS = 2  # idle pull connections a window's read may find closed before it takes that for the producer's end
 
 
 def _drain(sock: socket.socket, n: int, limit: int = 1 << 30) -> None:
@@ -200,12 +201,10 @@ class TcpLink(Link["TcpTransport"]):
         check = self._checker(deadline, cancel)
 
         def one(offset: int, length: int) -> None:
-            ch = self.conns.pull(check)
+            ask = wire.ReadData(req=req, gen=gen, ids=ids, offset=offset, length=length)
+            ch, reply = self._ask(ask, check, deadline)
             reusable = False  # a connection that failed mid-read is dropped; a refusal leaves it in step
             try:
-                ch.send(wire.ReadData(req=req, gen=gen, ids=ids, offset=offset, length=length))
-                _wait_readable(ch.sock, check)
-                reply = ch.recv(remaining(deadline))
                 if not isinstance(reply, wire.DataReply):
                     raise ProtocolError(f"unexpected {type(reply).__name__} on a pull connection")
                 if not reply.ok:
@@ -224,6 +223,28 @@ class TcpLink(Link["TcpTransport"]):
 
         parallel.run_all(one, self._streams(ext), "kvxfer-tcp-window")
         return ext.total
+
+    def _ask(self, msg: wire.ReadData, check: Callable[[], None], deadline: float) -> tuple[Channel, object]:
+        """Send one window's ``ReadData`` on an idle pull connection; the connection and the producer's answer.
+        An idle connection can be closed before it answers: the producer shuts one down when the lease of the
+        read it served ends as that read ends (the consumer's ``Released`` racing the producer's own end of the
+        move), after the consumer took it back as idle. Nothing of this read moved on it, so it is asked again on
+        another (the producer dials a new one), a few times at most."""
+        stale = 0
+        while True:
+            ch = self.conns.pull(check)
+            try:
+                ch.send(msg)
+                _wait_readable(ch.sock, check)
+                return ch, ch.recv(remaining(deadline))
+            except PeerError:
+                self.conns.drop(ch)
+                stale += 1
+                if stale > STALE_ASKS or self.closed:
+                    raise
+            except BaseException:
+                self.conns.drop(ch)
+                raise
 
     # ---- pull: producer side -------------------------------------------------------------------------------
     def serve_reads(self, ch: Channel) -> None:
