@@ -487,14 +487,10 @@ def init_single_process_world(vc: VllmConfig) -> None:
     global _dist_ready
     if _dist_ready:
         return
-    import socket
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # not one the kernel hands out: CI's gloo store once found its port taken by then
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
