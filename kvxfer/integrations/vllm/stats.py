@@ -60,7 +60,8 @@ class KVXferStats(KVConnectorStats):
             out[f"kvxfer_{kind}_transfers"] = d["transfers"]
             out[f"kvxfer_{kind}_failures"] = d["failures"]
             out[f"kvxfer_{kind}_MB"] = round(d["bytes"] / 1e6, 3)
-            out[f"kvxfer_{kind}_GB/s"] = round(d["bytes"] / d["seconds"] / 1e9, 3) if d["seconds"] > 0 else 0.0
+            # three significant digits: small prompts on a loaded host move well under 1 MB/s, not "0.0"
+            out[f"kvxfer_{kind}_GB/s"] = float(f"{d['bytes'] / d['seconds'] / 1e9:.3g}") if d["seconds"] > 0 else 0.0
         return out
 
 
