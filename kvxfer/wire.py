@@ -154,8 +154,8 @@ class Proof(_Msg, tag="proof"):
     proof: Secret
     layout: LayoutDesc
     transports: Annotated[list[tuple[Name, bytes]], msgspec.Meta(max_length=8)]
-    # the request a pushing producer opens the session for, under the proof: a consumer that refuses the session
-    # (its layout or transports do not pair) fails that request at once, not after its waiter's admission timeout
+    # the request a dialling producer (push or offer) opens the session for, under the proof: a consumer refusing it
+    # (layouts or transports that do not pair) fails that request at once, not after its waiter's admission timeout
     req: Name = ""
 
 
