@@ -58,7 +58,7 @@ class Fetch(Transfer):
 
     def cancel(self, reason: str = "cancelled by caller") -> bool:
         with self._lock:
-            if self._ended.is_set() or self.cancel_event.is_set():
+            if self._done or self.cancel_event.is_set():
                 return False
             self.cancel_event.set()
         if self._on_cancel is not None:

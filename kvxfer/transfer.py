@@ -65,7 +65,8 @@ class Transfer:
         self.digests = b""
         self.timings: dict[str, float] = {"submitted": time.monotonic()}
         self._cancel: threading.Event | None = None  # made on first use: a small push never needs one
-        self._ended = threading.Event()
+        self._done = False  # set once, under ``_lock``, when it ended
+        self._ended: threading.Event | None = None  # made for the first waiter: an Event costs more than the rest
         self._lock = threading.Lock()
         self._on_cancel: Callable[[Transfer, str], None] | None = None
         self._callbacks: list[Callable[[Transfer], Any]] = []
@@ -84,7 +85,16 @@ class Transfer:
         return f"<Transfer {self.kind} {self.req!r} -> {self.address} {self.status.value}>"
 
     def done(self) -> bool:
-        return self._ended.is_set()
+        return self._done
+
+    def _end_event(self) -> threading.Event:
+        """The event a waiter blocks on, made on first use (set at once if the transfer ended before)."""
+        with self._lock:
+            if self._ended is None:
+                self._ended = threading.Event()
+                if self._done:
+                    self._ended.set()
+            return self._ended
 
     @property
     def cancel_event(self) -> threading.Event:
@@ -101,12 +111,12 @@ class Transfer:
 
     def wait_ended(self, timeout: float) -> bool:
         """Whether the transfer ended within ``timeout`` seconds (no error raised)."""
-        return self._ended.wait(wait_limit(timeout))
+        return self._done or self._end_event().wait(wait_limit(timeout))
 
     def wait(self, timeout: float | None = None) -> Transfer:
         """Block until the transfer ended; raise its error, or ``DeadlineError`` if ``timeout`` passes first."""
         limit, asked = max(0.0, self.deadline - time.monotonic()) + self._grace, wait_limit(timeout)
-        if not self._ended.wait(limit if asked is None else min(asked, limit)):
+        if not self._done and not self._end_event().wait(limit if asked is None else min(asked, limit)):
             raise DeadlineError(f"transfer {self.req!r} still {self.status.value} after waiting")
         if self.error is not None:
             raise self.error
@@ -118,7 +128,7 @@ class Transfer:
         if not callable(fn):
             raise TypeError(f"a done callback must be callable, got {fn!r}")
         with self._lock:
-            if not self._ended.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         self._call(fn)
@@ -171,20 +181,22 @@ class Transfer:
 
     def _mark(self, status: Status, stamp: str) -> None:
         with self._lock:
-            if not self._ended.is_set():
+            if not self._done:
                 self.status = status
                 self.timings[stamp] = time.monotonic()
 
     def _finish(self, error: KVXferError | None, status: Status | None = None) -> bool:
         with self._lock:
-            if self._ended.is_set():
+            if self._done:
                 return False
             self.error = error
             self.status = status or (Status.DONE if error is None else Status.FAILED)
             self.timings["completed"] = time.monotonic()
             if error is not None and self._cancel is not None:
                 self._cancel.set()
-            self._ended.set()
+            self._done = True
+            if self._ended is not None:
+                self._ended.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             self._call(fn)
