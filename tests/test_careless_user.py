@@ -8,7 +8,17 @@ import time
 import numpy as np
 import pytest
 
-from kvxfer import BlockError, ConfigError, Consumer, DeadlineError, KVLayout, Producer, ProtocolError
+from conformance.peers import wait_for
+from kvxfer import (
+    BlockError,
+    CancelledError,
+    ConfigError,
+    Consumer,
+    DeadlineError,
+    KVLayout,
+    Producer,
+    ProtocolError,
+)
 
 
 def _layout():
@@ -326,3 +336,26 @@ def test_counts_and_callbacks_of_the_wrong_type_are_refused_at_the_call():
         t.wait(5)
     with pytest.raises(ConfigError):
         Producer(_layout(), transport="tcp", inline_max="1")
+
+
+def test_cancel_and_wait_answer_alike_on_a_push_and_a_fetch_whatever_the_order():
+    """A transfer nobody waited on yet, one cancelled before any wait, one waited on after it ended: ``cancel``
+    says True once and False after, ``wait`` and ``done`` agree. The producer here never answers (a listening
+    socket nobody accepts on), so only the cancel ends these."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+    with Producer(_layout(), transport="tcp") as p, Consumer(_layout(), transport="tcp") as c:
+        for t in (p.push(address, "r", [1], deadline=30), c.fetch(address, "r", [1, 2], deadline=30)):
+            assert not t.done()
+            assert t.cancel("changed my mind") is True
+            assert t.cancel("again") is False
+            assert t.done()
+            with pytest.raises(CancelledError):
+                t.wait(5)
+            assert isinstance(t.exception(0), CancelledError)
+        done_before_wait = p.push(c.address, "ok", [1, 2])
+        assert c.get(timeout=10).req == "ok"
+        assert wait_for(done_before_wait.done, 5)
+        assert done_before_wait.wait(0) is done_before_wait
+        assert done_before_wait.cancel() is False
+    silent.close()
