@@ -47,6 +47,10 @@ HOP_HEADERS = {
     "trailer",
     ROUTE_HEADER,
 }
+# seconds a pooled upstream connection may sit idle before it is dropped: below the 5 s after which uvicorn (and so
+# vLLM and the decode endpoint) closes an idle one. At httpx's own 5 s the router sent requests on connections the
+# server was closing that very moment, and the decode step failed with a bare ReadError (a 502 in CI).
+KEEPALIVE = 2.0
 SHIPPING = ("sending", "done")  # the connector's statuses under which the KV is on its way or has arrived
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty")
 
@@ -157,7 +161,8 @@ class Router:
         self.digests = digests
         self.admin_token = admin_token
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(prefill_timeout, connect=5.0), limits=httpx.Limits(max_connections=1000)
+            timeout=httpx.Timeout(prefill_timeout, connect=5.0),
+            limits=httpx.Limits(max_connections=1000, keepalive_expiry=KEEPALIVE),
         )
         self._background: set[asyncio.Task] = set()
         self.registry = CollectorRegistry()
