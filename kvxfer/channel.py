@@ -77,7 +77,7 @@ class Channel:
         ``send_stall`` seconds without progress and fails with ``PeerError``, so no caller, reaper or session
         thread blocks forever on it (the caller drops the session: a frame may be half sent).
         """
-        data = memoryview(wire.encode(msgs[0]) if len(msgs) == 1 else b"".join(wire.encode(m) for m in msgs))
+        data = memoryview(b"".join(map(wire.encode, msgs)))
         with self._send_lock:
             try:
                 self._send_all(data)
