@@ -4,12 +4,12 @@ a bare ReadError). A real HTTP/1.1 server that keeps connections open counts the
 
 import asyncio
 import http.server
-import threading
 from typing import ClassVar
 
 import pytest
 
 from kvxfer.serving.router import KEEPALIVE, DecodePool, Router
+from support.http_server import serving
 
 
 class _KeepAlive(http.server.BaseHTTPRequestHandler):
@@ -33,11 +33,8 @@ class _KeepAlive(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     _KeepAlive.connections = []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with serving(_KeepAlive) as url:
+        yield url
 
 
 def test_an_upstream_connection_idle_past_the_keepalive_is_not_reused(server):

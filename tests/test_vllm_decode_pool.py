@@ -3,14 +3,14 @@
 
 import asyncio
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
 
 from kvxfer.serving.vllm_decode import VLLMDecodePool
+from support.http_server import serving
 
 
 def closed_port() -> str:
@@ -35,12 +35,8 @@ class SlowHealth(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def slow_server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowHealth)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(SlowHealth) as url:
+        yield url
 
 
 def test_a_slow_but_live_instance_is_found_before_the_first_probe_round(slow_server):
