@@ -3,10 +3,10 @@
     python bench/nixl_lanes.py [PIECE_BYTES] [LANES] [REPEATS]     # default 16384 bytes, 2 lanes, 5 repeats
 
 Two processes, 640 MiB in PIECE-sized pieces, both sides' orders permuted. One thread: one request of every
-descriptor on an agent without NIXL's own locking (what kvxfer did before lanes). Lanes: the descriptors cut into
-LANES runs, each one request posted from its own thread, on an agent with one UCX worker per lane and NIXL's
-strict locking (what ``transports/nixl.py`` does for small pieces). Milliseconds per READ, the first of each
-left out (connection set-up).
+descriptor on one agent (what kvxfer did before lanes). Lanes: the descriptors cut into LANES runs, each one
+request posted from its own thread on an agent of its own, all registered over the same buffer (what
+``transports/nixl.py`` does for a large transfer). Milliseconds per READ, the first of each left out
+(connection set-up).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ class _Region(NamedTuple):
     nbytes: int
 
 
-def _agent(name: str, lanes: int, fill: int) -> tuple[RawNixl, np.ndarray]:
-    """An agent as kvxfer sets it up for ``lanes``, over one registered buffer filled with ``fill``."""
+def _agents(name: str, lanes: int, fill: int) -> tuple[list[RawNixl], np.ndarray]:
+    """One agent per lane, each over the same buffer filled with ``fill``."""
     buf = np.full(N * PIECE, fill, dtype=np.uint8)
-    return RawNixl(name, [_Region(buf.ctypes.data, buf.nbytes)], lanes=lanes), buf
+    return [RawNixl(f"{name}-{i}", [_Region(buf.ctypes.data, buf.nbytes)]) for i in range(lanes)], buf
 
 
 def _target(lanes: int, out, back) -> None:
-    raw, buf = _agent(f"lanes-target-{lanes}", lanes, 1)
+    (raw,), buf = _agents(f"lanes-target-{lanes}", 1, 1)
     out.put((raw.metadata(), buf.ctypes.data))
     raw.add_peer(back.get())
     while back.empty():  # the passive side progresses, as kvxfer's poller does
@@ -61,19 +61,19 @@ def run(lanes: int) -> list[float]:
     proc = mp.Process(target=_target, args=(lanes, out, back))
     proc.start()
     meta, remote_base = out.get()
-    raw, buf = _agent(f"lanes-reader-{lanes}", lanes, 0)
-    peer = raw.add_peer(meta)
-    back.put(raw.metadata())
+    agents, buf = _agents(f"lanes-reader-{lanes}", lanes, 0)
+    peers = [raw.add_peer(meta) for raw in agents]
+    back.put(agents[0].metadata())  # the others only initiate: the target never needs to know them
 
-    def read(local: np.ndarray, remote: np.ndarray) -> None:
-        raw.xfer("READ", local, remote, peer)
+    def read(lane: int, local: np.ndarray, remote: np.ndarray) -> None:
+        agents[lane].xfer("READ", local, remote, peers[lane])
 
     rng = np.random.default_rng(1)
     times = []
     for _ in range(REPEATS + 1):
         local, remote = _descs(buf.ctypes.data, rng.permutation(N)), _descs(remote_base, rng.permutation(N))
         cuts = np.linspace(0, N, lanes + 1).astype(int)
-        parts = [(local[a:b], remote[a:b]) for a, b in itertools.pairwise(cuts)]
+        parts = [(i, local[a:b], remote[a:b]) for i, (a, b) in enumerate(itertools.pairwise(cuts))]
         t0 = time.perf_counter()
         parallel.run_all(read, parts, "nixl-lanes-bench")  # what transports/nixl.py runs its lanes with
         times.append(time.perf_counter() - t0)

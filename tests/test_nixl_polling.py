@@ -37,9 +37,9 @@ def transport():
 
 
 def _polls_in(t: NixlTransport, seconds: float) -> int:
-    counting = t.agent = CountingAgent(t.agent)
+    counting = t.main.agent = CountingAgent(t.main.agent)
     time.sleep(seconds)
-    t.agent = counting.agent
+    t.main.agent = counting.agent
     return counting.polls
 
 
@@ -97,24 +97,12 @@ def test_the_poller_never_takes_the_agent_from_a_waiting_caller():
     assert not lock.acquire_if_free()
 
 
-def test_the_poller_keeps_out_of_the_agent_while_a_request_posts_outside_the_lock():
-    """A strict agent (lanes) posts outside the lock; a poll made then waits inside NIXL for the whole copy, holding
-    the lock, and every caller after the copy (the request's own release first) waited for it."""
-    lock = _AgentLock()
-    with lock:
-        lock.begin_posting()  # as ``NixlLink._run`` does, holding the lock, just before ``transfer()``
-    assert not lock.acquire_if_free()
-    lock.end_posting()
-    assert lock.acquire_if_free()
-    lock.release()
-
-
 class OverlapAgent:
     """The real agent, counting the polls made while one of its ``transfer()`` calls runs."""
 
     def __init__(self, agent):
         self.agent, self.posting, self.overlaps, self.transfers = agent, 0, 0, 0
-        self.count = threading.Lock()  # lanes post from threads of their own
+        self.count = threading.Lock()
 
     def transfer(self, handle):
         with self.count:
@@ -134,29 +122,35 @@ class OverlapAgent:
         return getattr(self.agent, name)
 
 
-def test_no_poll_overlaps_a_strict_agents_copy():
-    """Real pulls of 32 MiB between two NIXL endpoints in this process, the reader's agent strict (two lanes, each
-    posting from its own thread): its poller never polls while a lane's ``transfer()`` (the cma copy) runs."""
+def test_each_lane_posts_on_its_own_agent_and_no_poll_overlaps_a_copy():
+    """Real pulls of 32 MiB between two NIXL endpoints in this process, the reader in two lanes: each lane's
+    request goes through an agent of its own (one agent for both serialised their copies), and the poller never
+    polls the endpoint's agent while its ``transfer()`` (the cma copy) runs."""
     from kvxfer import Consumer, Producer
 
     nb, layers = 64, 4
-    tensors = [np.ones((nb, 16, 8, 64), dtype=np.float32) for _ in range(layers)]  # 256 KiB per layer-block
+    tensors = [np.ones((nb, 16, 8, 512), dtype=np.float32) for _ in range(layers)]  # 256 KiB per layer-block
     dst = [np.zeros_like(x) for x in tensors]
     c = Consumer(KVLayout.from_tensors(dst), transport="nixl", transport_options={"lanes": 2})
-    p = Producer(KVLayout.from_tensors(tensors), transport="nixl")
+    p = Producer(KVLayout.from_tensors(tensors), transport="nixl", transport_options={"lanes": 1})
     try:
         p.offer(c.address, "warm", [0]).wait(10)
         c.release(c.get(timeout=10).req)
         t = c.transports["nixl"]
-        assert t.strict
-        agent = t.agent = OverlapAgent(t.agent)
+        assert len(t.agents) == 2 and t.agents[0].agent is not t.agents[1].agent
+        spies = [OverlapAgent(a.agent) for a in t.agents]
+        for a, spy in zip(t.agents, spies, strict=True):
+            a.agent = spy
         for i in range(4):
             ids = np.random.default_rng(i).permutation(nb)[:32]  # 32 scattered blocks: two lanes of pieces
             p.offer(c.address, f"r{i}", ids).wait(20)
-            c.release(c.get(timeout=10).req)
-        t.agent = agent.agent
-        assert agent.transfers >= 4
-        assert agent.overlaps == 0
+            arrival = c.get(timeout=10)
+            assert all((x[arrival.block_ids] == 1).all() for x in dst)
+            c.release(arrival.req)
+        for a, spy in zip(t.agents, spies, strict=True):
+            a.agent = spy.agent
+        assert [spy.transfers for spy in spies] == [4, 4]
+        assert spies[0].overlaps == 0
     finally:
         p.close()
         c.close()

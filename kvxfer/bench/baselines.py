@@ -125,20 +125,13 @@ def nixl_importable() -> bool:
 
 
 class RawNixl:
-    """One NIXL agent (UCX backend, no progress thread: the caller polls) over a cache's host regions. With
-    ``lanes`` > 1 it is set up as kvxfer's lanes need it: a UCX worker per lane and NIXL's own (strict) locking,
-    so that many threads may post at once."""
+    """One NIXL agent (UCX backend, no progress thread: the caller polls) over a cache's host regions."""
 
-    def __init__(self, name: str, regions, lanes: int = 1):
+    def __init__(self, name: str, regions):
         from ..transports.nixl import nixl_api
 
         api = nixl_api()
-        config = api.nixl_agent_config(
-            enable_prog_thread=False,
-            backends=["UCX"],
-            num_threads=lanes if lanes > 1 else 0,
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if lanes > 1 else None,
-        )
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self.agent = api.nixl_agent(name, config)
         self.regions = list(regions)
         self.reg = self.agent.register_memory([(r.ptr, r.nbytes, 0, "") for r in self.regions], "DRAM")

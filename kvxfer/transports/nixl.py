@@ -3,7 +3,7 @@
 One NIXL agent per endpoint registers the layout's regions once (DRAM for host tensors, VRAM for CUDA ones).
 Agent metadata travels inside kvxfer's own handshake, so there is no second side channel. A transfer is one
 NIXL request built from the plan's numpy descriptor arrays (Nx3 uint64: address, length, device), or one per
-lane when its pieces are small (lanes post from their own threads at once). A push's WRITE carries a
+lane when it is large (lanes post from their own threads at once, each on an agent of its own). A push's WRITE carries a
 notification naming (request, generation, bytes); the consumer polls notifications and tells its ledger the
 bytes landed. No NIXL progress thread: on small machines its busy-poll halves throughput, so
 the initiator drives progress by polling its request and one light poller thread per endpoint drains
@@ -46,25 +46,23 @@ BUSY_WINDOW = 1.0  # seconds of fast polling after a peer was told to move bytes
 # Offer, a Done or an arrival the poller polls every FAST_POLL (a poll costs under 1 us; the wake-up is the cost).
 FAST_WINDOW = 0.02
 FAST_POLL = 0.0001
-# A transfer of small pieces is cut into lanes posted from their own threads, with a UCX worker each: there a
-# piece's cost is the CPU's, and on 2 cores two lanes moved 40,960 permuted 16 KiB READs in 150-159 ms where one
-# took 210-219 ms (64 and 256 KiB pieces: 1.3x too). Pieces of 1 MiB and more gain nothing (16 MiB: 10% lost).
+# A large transfer is cut into lanes posted from their own threads, each on an agent of its own (lane 0 on the
+# endpoint's, the others on helpers that only initiate): over cma a copy runs in the posting thread, so two lanes
+# use both cores. On 2 cores, 640 MiB of permuted pieces (bench/nixl_lanes.py) moved with two lanes against one
+# in 119 against 233 ms (16 KiB pieces), 64 against 83 ms (256 KiB) and 38 against 78 ms (16 MiB). One agent with
+# a UCX worker per lane and NIXL's strict locking (what lanes were before) gained on small pieces only.
 LANE_MIN = 4 << 20  # bytes a lane moves at least: below that a thread start costs more than it saves
-LANE_PIECE_MAX = 512 << 10  # lanes only while the mean piece is at most this
+LANE_SEP = "#lane"  # a helper agent's name: its endpoint's agent's, then this and the lane number
 
 
 class _AgentLock:
-    """The lock every call into the agent takes, where callers go before the background poller: the poller
-    takes it only when it is free, nobody waits and no request is posting (a plain lock let a busy poller starve
-    a handshake). A strict agent's ``transfer()`` runs outside the lock, so that lanes post at once; a poll made
-    meanwhile waits inside NIXL for the whole copy, holding this lock, and every caller after the copy (its own
-    release included) then waited for that poll: a 512 MiB WRITE's release came 0.1-0.2 ms after its copy."""
+    """The lock every call into an agent takes, where callers go before the background poller: the poller
+    takes it only when it is free and nobody waits (a plain lock let a busy poller starve a handshake)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._count = threading.Lock()
         self._waiting = 0
-        self._posting = 0
 
     def __enter__(self) -> None:
         with self._count:
@@ -77,24 +75,45 @@ class _AgentLock:
         self.release()
 
     def acquire_if_free(self) -> bool:
-        if self._waiting or not self._lock.acquire(blocking=False):
-            return False
-        if self._posting:  # read under the lock: a request that began posting set it while holding the lock
-            self._lock.release()
-            return False
-        return True
-
-    def begin_posting(self) -> None:
-        """Called holding the lock, just before a ``transfer()`` made outside it; ``end_posting`` once it returned."""
-        with self._count:
-            self._posting += 1
-
-    def end_posting(self) -> None:
-        with self._count:
-            self._posting -= 1
+        return not self._waiting and self._lock.acquire(blocking=False)
 
     def release(self) -> None:
         self._lock.release()
+
+
+class _Agent:
+    """One NIXL agent over the endpoint's registered memory, and the lock its callers take."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.lock = _AgentLock()
+        self.reg = None
+
+    def register(self, regs: np.ndarray, mem_type: str) -> None:
+        self.reg = self.agent.register_memory(regs, mem_type)
+
+    def close(self, remotes) -> None:
+        """Forget ``remotes``, deregister, and destroy the agent now (not at interpreter exit)."""
+        with self.lock:
+            agent, self.agent = self.agent, None
+            if agent is None:
+                return
+            for name in remotes:
+                with contextlib.suppress(Exception):
+                    agent.remove_remote_agent(name)
+            if self.reg is not None:
+                with contextlib.suppress(Exception):
+                    agent.deregister_memory(self.reg)
+            del agent  # the last reference: the C++ agent is destroyed here, not at interpreter exit
+
+
+def _name(agent_name) -> str:
+    return agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+
+
+def _endpoint(agent_name) -> str:
+    """The endpoint agent a notification came from: a helper lane's name maps to its endpoint's."""
+    return _name(agent_name).partition(LANE_SEP)[0]
 
 
 @atexit.register
@@ -184,24 +203,24 @@ class NixlTransport(Transport):
         self._wake = threading.Event()
         self.lanes = parallel.per_core() if lanes is None else max(1, int(lanes))
         self.lane_min = max(1, int(lane_min))
-        # lanes post at once, so the agent locks itself (NIXL's strict mode), each lane on its own UCX worker
-        self.strict = self.lanes > 1
-        config = api.nixl_agent_config(
-            enable_prog_thread=False,
-            num_threads=max(num_threads, self.lanes if self.strict else 0),
-            backends=list(backends),
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if self.strict else None,
-        )
-        self.agent = api.nixl_agent(f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:8]}", config)
-        self.lock = _AgentLock()  # every call goes through here, but a strict agent's transfer(): it locks itself
         self.ptrs = np.array([r.ptr for r in layout.regions], dtype=np.uint64)
         self.devs = np.array([max(r.device, 0) for r in layout.regions], dtype=np.uint64)
         regs = np.stack([self.ptrs, np.array([r.nbytes for r in layout.regions], dtype=np.uint64), self.devs], 1)
+        config = api.nixl_agent_config(enable_prog_thread=False, num_threads=num_threads, backends=list(backends))
+        name = f"kvxfer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # lane 0 is the endpoint's own agent (peers know it); the others only initiate, and their notifications
+        # reach the peer's agent under a name it maps back to this one (``_endpoint``)
+        self.agents: list[_Agent] = []
         try:
-            self.reg = self.agent.register_memory(regs, self.mem_type)
-            self._meta = self.agent.get_agent_metadata()  # fixed once the memory is registered
+            for i in range(self.lanes):
+                self.agents.append(_Agent(api.nixl_agent(f"{name}{LANE_SEP}{i}" if i else name, config)))
+                self.agents[-1].register(regs, self.mem_type)
+            self._meta = self.agents[0].agent.get_agent_metadata()  # fixed once the memory is registered
         except Exception as e:
+            for a in self.agents:
+                a.close(())
             raise _error(e, "registering KV memory with NIXL") from None
+        self.main = self.agents[0]
         self.links: dict[int, NixlLink] = {}
         # a remote agent's links: one per session, and one agent can have several (one producer reaching this
         # consumer at two addresses, a session redialed before the old one's end was heard)
@@ -212,9 +231,9 @@ class NixlTransport(Transport):
         _LIVE.add(self)
 
     def _live_agent(self):
-        if self.agent is None:
+        if self.main.agent is None:
             raise PeerError("NIXL transport closed")
-        return self.agent
+        return self.main.agent
 
     def local_meta(self) -> bytes:
         self._live_agent()
@@ -222,14 +241,16 @@ class NixlTransport(Transport):
 
     def connect(self, peer: Peer) -> NixlLink:
         self.expect()  # the new peer's first request needs this side's progress to set up its UCX endpoint
-        try:
-            with self.lock:
+        with self.main.lock:  # the main agent's lock, then a helper's: the one order that takes both
+            try:
                 name = self._live_agent().add_remote_agent(peer.meta)
-        except Exception as e:
-            raise _error(e, "adding the peer's NIXL agent") from None
-        name = name.decode() if isinstance(name, bytes) else name
-        link = NixlLink(self, peer, name)
-        with self.lock:
+                for helper in self.agents[1:]:  # every lane reaches the peer's own agent
+                    with helper.lock:
+                        helper.agent.add_remote_agent(peer.meta)
+            except Exception as e:
+                raise _error(e, "adding the peer's NIXL agent") from None
+            name = _name(name)
+            link = NixlLink(self, peer, name)
             self.links[peer.local] = link
             self.by_agent[name] = [*self.by_agent.get(name, ()), link]  # a new list: the poller reads it unlocked
         return link
@@ -242,7 +263,7 @@ class NixlTransport(Transport):
         self._busy_until, self._fast_until = now + BUSY_WINDOW, now + FAST_WINDOW
 
     def disconnect(self, session: int) -> None:
-        with self.lock:
+        with self.main.lock:
             link = self.links.pop(session, None)
             if link is None:
                 return
@@ -250,9 +271,14 @@ class NixlTransport(Transport):
             others = [x for x in self.by_agent.pop(link.remote, []) if x is not link]
             if others:
                 self.by_agent[link.remote] = others
-            else:
+                return
+            for a in self.agents:
                 with contextlib.suppress(Exception):  # a dead peer may already be gone
-                    self._live_agent().remove_remote_agent(link.remote)
+                    if a is self.main:
+                        a.agent.remove_remote_agent(link.remote)
+                    else:
+                        with a.lock:
+                            a.agent.remove_remote_agent(link.remote)
 
     def _poll_loop(self) -> None:
         """Drain notifications (push arrivals) and progress this agent (a peer's request completes only while
@@ -263,18 +289,19 @@ class NixlTransport(Transport):
         idle = self.poll_interval
         while not self.closed:
             notifs: dict = {}
-            if self.lock.acquire_if_free():
+            main = self.main
+            if main.lock.acquire_if_free():
                 try:
-                    if self.closed or self.agent is None:
+                    if self.closed or main.agent is None:
                         return
-                    notifs = self.agent.get_new_notifs()
+                    notifs = main.agent.get_new_notifs()
                 except Exception:  # keep polling; a broken peer shows up on its own transfers
                     notifs = {}
                 finally:
-                    self.lock.release()
+                    main.lock.release()
             got = False
             for agent_name, msgs in notifs.items():
-                links = self.by_agent.get(agent_name.decode() if isinstance(agent_name, bytes) else agent_name, ())
+                links = self.by_agent.get(_name(agent_name)) or self.by_agent.get(_endpoint(agent_name)) or []
                 for m in msgs:
                     got = True
                     try:
@@ -296,22 +323,18 @@ class NixlTransport(Transport):
                 idle = self.poll_interval
 
     def close(self) -> None:
-        """Release every NIXL resource now: remote agents, the registration, and the agent itself."""
+        """Release every NIXL resource now: remote agents, the registrations, and the agents themselves."""
         if self.closed:
             return
         self.closed = True
         self._wake.set()
         self._poller.join(1.0)
-        with self.lock:
-            agent, self.agent = self.agent, None
-            for name in {x.remote for x in self.links.values()}:
-                with contextlib.suppress(Exception):
-                    agent.remove_remote_agent(name)
+        with self.main.lock:
+            remotes = {x.remote for x in self.links.values()}
             self.links.clear()
             self.by_agent.clear()
-            with contextlib.suppress(Exception):
-                agent.deregister_memory(self.reg)
-            del agent  # the last reference: the C++ agent is destroyed here, not at interpreter exit
+        for a in reversed(self.agents):  # the endpoint's own agent last: helpers' requests ran on its memory
+            a.close(remotes)
         _LIVE.discard(self)
 
 
@@ -344,11 +367,12 @@ class NixlLink(Link[NixlTransport]):
 
     def _lanes(self, local: np.ndarray, remote: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """The descriptor pairs cut into at most ``lanes`` runs of nearly equal bytes (with their byte counts):
-        several when the pieces are small and the transfer large, else one."""
+        several when the transfer is large, else one. A descriptor is never split (it is one piece of a block's
+        bytes), so a few large ones may make fewer lanes."""
         sizes = local[:, 1]
         total = int(sizes.sum())
-        k = min(self.t.lanes, total // self.t.lane_min)
-        if k <= 1 or total > LANE_PIECE_MAX * len(local):
+        k = min(self.t.lanes, total // self.t.lane_min, len(local))
+        if k <= 1:
             return [(local, remote, total)]
         ends = np.cumsum(sizes)
         cuts = [0, *np.unique(np.searchsorted(ends, total * np.arange(1, k) // k) + 1).tolist(), len(local)]
@@ -361,13 +385,23 @@ class NixlLink(Link[NixlTransport]):
     def _move(self, op: str, local, remote, notif, deadline: float, cancel: threading.Event) -> None:
         """One NIXL request per lane, lanes after the first in their own threads; all have ended on return.
         ``notif(nbytes)`` is a lane's notification: the consumer adds up what each says landed."""
-        pieces = [(op, lo, re, notif(n), deadline, cancel) for lo, re, n in self._lanes(local, remote)]
+        lanes = self._lanes(local, remote)  # at most one per agent
+        pieces = [
+            (a, op, lo, re, notif(n), deadline, cancel) for a, (lo, re, n) in zip(self.t.agents, lanes, strict=False)
+        ]
         parallel.run_all(self._run, pieces, "kvxfer-nixl-lane")
 
     def _run(
-        self, op: str, local: np.ndarray, remote: np.ndarray, notif: bytes, deadline: float, cancel: threading.Event
+        self,
+        lane: _Agent,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notif: bytes,
+        deadline: float,
+        cancel: threading.Event,
     ) -> None:
-        agent, lock = self.t.agent, self.t.lock
+        agent, lock = lane.agent, lane.lock
         if agent is None:
             raise PeerError("NIXL transport closed")
         handle = None
@@ -382,15 +416,7 @@ class NixlLink(Link[NixlTransport]):
                     raise CancelledError("transfer cancelled")
                 if time.monotonic() >= deadline:
                     raise DeadlineError(f"NIXL {op} not posted: the deadline passed")
-                if self.t.strict:
-                    lock.begin_posting()
-                else:
-                    state = agent.transfer(handle)
-            if self.t.strict:  # the agent locks itself: other lanes post (and cma copies) meanwhile
-                try:
-                    state = agent.transfer(handle)
-                finally:
-                    lock.end_posting()
+                state = agent.transfer(handle)
             posted, drained_by = time.monotonic(), 0.0
             stop: KVXferError | None = None
             while state == "PROC":
