@@ -154,3 +154,34 @@ def test_each_lane_posts_on_its_own_agent_and_no_poll_overlaps_a_copy():
     finally:
         p.close()
         c.close()
+
+
+def test_a_transfer_that_coalesced_into_one_descriptor_is_cut_across_lanes():
+    """One layer, consecutive blocks on both sides: the plan is one 16 MiB descriptor, which two lanes share
+    (cut inside it, both sides' addresses alike); every byte lands where it belongs."""
+    from kvxfer import Consumer, Producer
+
+    nb = 64
+    src = [np.random.default_rng(0).integers(0, 1 << 30, (nb, 16, 8, 512), dtype=np.int32)]  # 256 KiB blocks
+    dst = [np.zeros_like(src[0])]
+    c = Consumer(KVLayout.from_tensors(dst), transport="nixl", transport_options={"lanes": 2})
+    p = Producer(KVLayout.from_tensors(src), transport="nixl", transport_options={"lanes": 1})
+    try:
+        p.offer(c.address, "warm", [0]).wait(10)
+        c.release(c.get(timeout=10).req)
+        t = c.transports["nixl"]
+        spies = [OverlapAgent(a.agent) for a in t.agents]
+        for a, spy in zip(t.agents, spies, strict=True):
+            a.agent = spy
+        offer = p.offer(c.address, "one", np.arange(nb)).wait(20)
+        arrival = c.get(timeout=10)
+        for a, spy in zip(t.agents, spies, strict=True):
+            a.agent = spy.agent
+        assert offer.done()
+        assert next(iter(t.links.values())).descriptors(np.arange(nb), arrival.block_ids) == 1
+        assert [spy.transfers for spy in spies] == [1, 1]
+        assert np.array_equal(dst[0][arrival.block_ids], src[0])
+        c.release(arrival.req)
+    finally:
+        p.close()
+        c.close()

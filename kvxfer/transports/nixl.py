@@ -366,21 +366,29 @@ class NixlLink(Link[NixlTransport]):
         return len(self._plan(src_ids, dst_ids, chunks=chunks))
 
     def _lanes(self, local: np.ndarray, remote: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, int]]:
-        """The descriptor pairs cut into at most ``lanes`` runs of nearly equal bytes (with their byte counts):
-        several when the transfer is large, else one. A descriptor is never split (it is one piece of a block's
-        bytes), so a few large ones may make fewer lanes."""
-        sizes = local[:, 1]
+        """The descriptor pairs cut into at most ``lanes`` runs of equal bytes (with their byte counts): several
+        when the transfer is large, else one. A cut inside a descriptor splits it (both sides' addresses move
+        alike), so a transfer that coalesced into one large descriptor still uses every lane."""
+        sizes = local[:, 1].astype(np.int64)
         total = int(sizes.sum())
-        k = min(self.t.lanes, total // self.t.lane_min, len(local))
+        k = min(self.t.lanes, total // self.t.lane_min)
         if k <= 1:
             return [(local, remote, total)]
         ends = np.cumsum(sizes)
-        cuts = [0, *np.unique(np.searchsorted(ends, total * np.arange(1, k) // k) + 1).tolist(), len(local)]
-        return [
-            (local[a:b], remote[a:b], int(ends[b - 1] - (ends[a - 1] if a else 0)))
-            for a, b in itertools.pairwise(cuts)
-            if b > a
-        ]
+        bounds = [0, *(total * np.arange(1, k) // k).tolist(), total]
+        lanes = []
+        for lo_byte, hi_byte in itertools.pairwise(bounds):
+            first = int(np.searchsorted(ends, lo_byte, side="right"))  # the descriptor holding byte lo_byte
+            last = int(np.searchsorted(ends, hi_byte, side="left"))  # the one holding byte hi_byte - 1
+            lo, re = local[first : last + 1].copy(), remote[first : last + 1].copy()
+            head = lo_byte - int(ends[first] - sizes[first])
+            tail = int(ends[last]) - hi_byte
+            for d in (lo, re):
+                d[0, 0] += head
+                d[0, 1] -= head
+                d[-1, 1] -= tail
+            lanes.append((lo, re, hi_byte - lo_byte))
+        return lanes
 
     def _move(self, op: str, local, remote, notif, deadline: float, cancel: threading.Event) -> None:
         """One NIXL request per lane, lanes after the first in their own threads; all have ended on return.
