@@ -177,23 +177,29 @@ def test_a_stopped_producer_fails_the_fetch_at_its_deadline(consumers, producers
 def test_cancel_mid_fetch_ends_both_sides_and_nothing_lands_after(consumers, producers, transport):
     c = _fetcher(consumers, BIG)
     p = producers(BIG, seed=4, **LISTEN)
-    p.keep("big", np.arange(128), lease=30)
-    f = c.fetch(p.address, "big", np.arange(128), deadline=30)
-    said: list[bool] = []
-    timer = threading.Timer(0.005, lambda: said.append(f.cancel("changed my mind")))
-    timer.start()
-    err = f.exception(15)
-    timer.join(5)
-    assert said, "cancel() raised"  # in the timer's thread, where nothing else would see it
-    if err is None:
-        pytest.skip("the fetch finished before the cancel (a fast machine): nothing to check")
+    # 64 MiB take about 5 ms on a fast machine: a fetch that finished before its cancel is tried again, the
+    # cancel sooner each time (the last one at once, before or while the offer is read)
+    for delay in (0.005, 0.003, 0.002, 0.001, 0.0):
+        req = f"big-{delay}"
+        p.keep(req, np.arange(128), lease=30)
+        f = c.fetch(p.address, req, np.arange(128), deadline=30)
+        said: list[bool] = []
+        timer = threading.Timer(delay, lambda f=f, said=said: said.append(f.cancel("changed my mind")))
+        timer.start()
+        err = f.exception(15)
+        timer.join(5)
+        assert said, "cancel() raised"  # in the timer's thread, where nothing else would see it
+        if err is not None:
+            break
+    else:
+        pytest.skip("every fetch finished before its cancel (a fast machine): nothing to check")
     assert said == [True]
     assert isinstance(err, CancelledError)
     snapshot = [v.copy() for v in block_bytes(c.views, np.arange(128))]
     time.sleep(0.3)  # longer than any receive could go on: nothing may land once the fetch ended
     for a, b in zip(snapshot, block_bytes(c.views, np.arange(128)), strict=True):
         np.testing.assert_array_equal(a, b)
-    ended = wait_for(lambda: (e := p.ended("big"))["done"] and e, 5)
+    ended = wait_for(lambda: (e := p.ended(req))["done"] and e, 5)
     assert ended["error"] is not None  # the hold ended too: the producer frees its blocks
 
 
