@@ -272,13 +272,11 @@ class NixlTransport(Transport):
             if others:
                 self.by_agent[link.remote] = others
                 return
-            for a in self.agents:
-                with contextlib.suppress(Exception):  # a dead peer may already be gone
-                    if a is self.main:
-                        a.agent.remove_remote_agent(link.remote)
-                    else:
-                        with a.lock:
-                            a.agent.remove_remote_agent(link.remote)
+            with contextlib.suppress(Exception):  # a dead peer may already be gone
+                self._live_agent().remove_remote_agent(link.remote)
+            for helper in self.agents[1:]:  # as in connect: the main agent's lock, then a helper's
+                with helper.lock, contextlib.suppress(Exception):
+                    helper.agent.remove_remote_agent(link.remote)
 
     def _poll_loop(self) -> None:
         """Drain notifications (push arrivals) and progress this agent (a peer's request completes only while
