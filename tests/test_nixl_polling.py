@@ -2,6 +2,7 @@
 endpoint polls slowly. On a busy machine (vLLM workers spinning beside NixlConnector on 2 cores) a fast idle poll
 behind a plain lock starved a fetch's handshake for 20 s and its offer for 10 s."""
 
+import contextlib
 import threading
 import time
 
@@ -122,6 +123,19 @@ class OverlapAgent:
         return getattr(self.agent, name)
 
 
+@contextlib.contextmanager
+def _spying(t: NixlTransport):
+    """Every lane's agent of ``t`` wrapped in an ``OverlapAgent`` while the block runs."""
+    spies = [OverlapAgent(a.agent) for a in t.agents]
+    for a, spy in zip(t.agents, spies, strict=True):
+        a.agent = spy
+    try:
+        yield spies
+    finally:
+        for a, spy in zip(t.agents, spies, strict=True):
+            a.agent = spy.agent
+
+
 def test_each_lane_posts_on_its_own_agent_and_no_poll_overlaps_a_copy():
     """Real pulls of 32 MiB between two NIXL endpoints in this process, the reader in two lanes: each lane's
     request goes through an agent of its own (one agent for both serialised their copies), and the poller never
@@ -138,17 +152,13 @@ def test_each_lane_posts_on_its_own_agent_and_no_poll_overlaps_a_copy():
         c.release(c.get(timeout=10).req)
         t = c.transports["nixl"]
         assert len(t.agents) == 2 and t.agents[0].agent is not t.agents[1].agent
-        spies = [OverlapAgent(a.agent) for a in t.agents]
-        for a, spy in zip(t.agents, spies, strict=True):
-            a.agent = spy
-        for i in range(4):
-            ids = np.random.default_rng(i).permutation(nb)[:32]  # 32 scattered blocks: two lanes of pieces
-            p.offer(c.address, f"r{i}", ids).wait(20)
-            arrival = c.get(timeout=10)
-            assert all((x[arrival.block_ids] == 1).all() for x in dst)
-            c.release(arrival.req)
-        for a, spy in zip(t.agents, spies, strict=True):
-            a.agent = spy.agent
+        with _spying(t) as spies:
+            for i in range(4):
+                ids = np.random.default_rng(i).permutation(nb)[:32]  # 32 scattered blocks: two lanes of pieces
+                p.offer(c.address, f"r{i}", ids).wait(20)
+                arrival = c.get(timeout=10)
+                assert all((x[arrival.block_ids] == 1).all() for x in dst)
+                c.release(arrival.req)
         assert [spy.transfers for spy in spies] == [4, 4]
         assert spies[0].overlaps == 0
     finally:
@@ -170,13 +180,9 @@ def test_a_transfer_that_coalesced_into_one_descriptor_is_cut_across_lanes():
         p.offer(c.address, "warm", [0]).wait(10)
         c.release(c.get(timeout=10).req)
         t = c.transports["nixl"]
-        spies = [OverlapAgent(a.agent) for a in t.agents]
-        for a, spy in zip(t.agents, spies, strict=True):
-            a.agent = spy
-        offer = p.offer(c.address, "one", np.arange(nb)).wait(20)
-        arrival = c.get(timeout=10)
-        for a, spy in zip(t.agents, spies, strict=True):
-            a.agent = spy.agent
+        with _spying(t) as spies:
+            offer = p.offer(c.address, "one", np.arange(nb)).wait(20)
+            arrival = c.get(timeout=10)
         assert offer.done()
         assert next(iter(t.links.values())).descriptors(np.arange(nb), arrival.block_ids) == 1
         assert [spy.transfers for spy in spies] == [1, 1]
