@@ -25,10 +25,12 @@ N = 128  # 64 MiB
 LINGER = 0.2  # after every block is back: longer than any late writer (the TCP watchdog looks every 50 ms)
 
 
-def one_stream(transport: str) -> dict:
-    """TCP with one data connection, as these tests are paced: a second one doubles what lands in each running
-    slice of a slowed process, and a lease-ended pull once had 93% of its bytes when it ended."""
-    return {"transport_options": {"streams": 1}} if transport == "tcp" else {}
+def one_piece(transport: str) -> dict:
+    """TCP with one data connection, NIXL with one lane, as these tests are paced: a second one doubles what
+    lands in each running slice of a slowed process. A lease-ended pull once had 93% of its bytes when it ended,
+    and a NIXL push over two lanes was whole when its cancel came (each lane's copy is one system call)."""
+    options = {"tcp": {"streams": 1}, "nixl": {"lanes": 1}}.get(transport)
+    return {"transport_options": options} if options else {}
 
 
 # the consumer's kernel buffer for a pull's bytes: this machine's tcp_rmem lets one grow to 32 MiB, which a stopped
@@ -39,7 +41,7 @@ RCVBUF = 256 << 10
 
 @pytest.fixture
 def consumer(transport):
-    paced = {**one_stream(transport), "rcvbuf": RCVBUF} if transport == "tcp" else {}
+    paced = {**one_piece(transport), "rcvbuf": RCVBUF} if transport == "tcp" else one_piece(transport)
     c = ConsumerChild(SPEC, transport, quarantine=0.2, deadline=20.0, **paced)
     yield c
     c.close()
@@ -48,7 +50,7 @@ def consumer(transport):
 @pytest.fixture
 def producer(transport, consumer):
     """A producer already in session with the consumer (a slowed handshake would eat the lease)."""
-    p = ProducerChild(SPEC, transport, seed=3, **one_stream(transport))
+    p = ProducerChild(SPEC, transport, seed=3, **one_piece(transport))
     p.start("offer", consumer.address, "warm-up", 1, fill=False, lease=20.0)
     assert consumer.release(consumer.get(20)["req"])
     assert p.wait_ended("warm-up", 10)["error"] is None
@@ -169,7 +171,7 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
 
     tensors, kw, _, _ = SPEC.build(fill=0)
     layout = SPEC.layout(tensors, kw)
-    p = ProducerChild(SPEC, "tcp", seed=3, **one_stream("tcp"))
+    p = ProducerChild(SPEC, "tcp", seed=3, **one_piece("tcp"))
     midway = 0  # rounds that froze the producer with the pull under 90% done
     try:
         # the reader may be between two waits that do look at the close: three rounds. On a loaded machine this
@@ -178,7 +180,7 @@ def test_consumer_close_stops_a_pull_from_a_stopped_producer():
             if midway == 3:
                 break
             guard = GuardedAllocator(layout)
-            c = Consumer(layout, transport="tcp", allocator=guard, deadline=20.0, **one_stream("tcp"))
+            c = Consumer(layout, transport="tcp", allocator=guard, deadline=20.0, **one_piece("tcp"))
             try:
                 slow = Throttle(p).__enter__()
                 p.start("offer", c.address, f"big-{r}", N, fill=False, lease=20.0)
